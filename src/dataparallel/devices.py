@@ -1,0 +1,124 @@
+"""Device specs -> ``torch.device`` lists.
+
+A device spec is an ``int`` (a CUDA index), a ``str`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``,
+``"mps"``) or a ``torch.device``. Lists may repeat a device: ``["cpu", "cpu"]`` is two replicas
+on the CPU, ``[0, 0]`` two replicas on GPU 0. Resolving happens once, up front, so that every
+later step works with plain ``torch.device`` objects and every bad spec is reported with its
+position in the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+__all__ = ["DeviceSpec", "default_devices", "resolve_device", "resolve_devices", "target_device"]
+
+DeviceSpec = Union[int, str, torch.device]
+
+_KNOWN_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
+
+
+def _fix_hint() -> str:
+    if torch.cuda.is_available():
+        return f"use 'cpu' or a CUDA index below {torch.cuda.device_count()}"
+    return "use 'cpu' (no CUDA device is visible on this machine)"
+
+
+def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
+    """Turn one device spec into a ``torch.device`` with an explicit index for CUDA.
+
+    Args:
+        spec: an ``int`` CUDA index, a device string or a ``torch.device``.
+        where: the argument path used in error messages.
+
+    Raises:
+        ValueError: the spec is not a device, or names a CUDA device this machine lacks.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if isinstance(spec, bool):  # bool is an int subclass; True is never a device
+        raise ValueError(f"{where}: expected a device such as 'cpu', 'cuda:0' or 0, got {spec!r}")
+    if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(
+                f"{where}: expected a CUDA index >= 0, got {spec!r}; {_fix_hint()}"
+            )
+        device = torch.device("cuda", spec)
+    elif isinstance(spec, torch.device):
+        device = spec
+    elif isinstance(spec, str):
+        try:
+            device = torch.device(spec)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"{where}: expected a device such as 'cpu', 'cuda', 'cuda:1' or 'mps', "
+                f"got {spec!r}; {_fix_hint()}"
+            ) from exc
+    else:
+        raise ValueError(
+            f"{where}: expected an int, a str or a torch.device, got {type(spec).__name__} "
+            f"{spec!r}"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{where}: {spec!r} asks for CUDA, which is not available; {_fix_hint()}")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{where}: {spec!r} names CUDA device {index}, but only "
+                f"{torch.cuda.device_count()} are visible; {_fix_hint()}"
+            )
+        device = torch.device("cuda", index)
+    elif device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(f"{where}: {spec!r} asks for MPS, which is not available; {_fix_hint()}")
+    elif device.type not in _KNOWN_TYPES:
+        raise ValueError(f"{where}: device type {device.type!r} is not supported; {_fix_hint()}")
+    return device
+
+
+def default_devices() -> list[torch.device]:
+    """Every visible CUDA device, else the CPU alone."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def resolve_devices(
+    specs: DeviceSpec | Sequence[DeviceSpec] | None, *, where: str = "device_ids"
+) -> list[torch.device]:
+    """Turn a device list (or one spec, or ``None``) into a list of ``torch.device``.
+
+    ``None`` means every visible CUDA device, else ``["cpu"]``. Repeats are kept: each entry is
+    one replica.
+
+    Raises:
+        ValueError: the list is empty, or an entry is not a usable device (the message names
+            its position, e.g. ``device_ids[1]``).
+
+    >>> resolve_devices(["cpu", "cpu"])
+    [device(type='cpu'), device(type='cpu')]
+    """
+    if specs is None:
+        return default_devices()
+    if isinstance(specs, (int, str, torch.device)):
+        return [resolve_device(specs, where=where)]
+    items = list(specs)
+    if not items:
+        raise ValueError(
+            f"{where}: expected at least one device, got an empty list; pass e.g. ['cpu'] or "
+            f"[0, 1], or None for every visible device"
+        )
+    return [resolve_device(spec, where=f"{where}[{i}]") for i, spec in enumerate(items)]
+
+
+def target_device(spec: DeviceSpec | None, *, where: str = "target_device") -> torch.device:
+    """The device a gather lands on: ``-1`` and ``"cpu"`` mean the CPU, as in torch."""
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool) and spec == -1):
+        return torch.device("cpu")
+    return resolve_device(spec, where=where)

@@ -1,0 +1,56 @@
+"""Markers that override what the batch rules infer: ``Shared`` and ``Split``."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Shared", "Split"]
+
+T = TypeVar("T")
+
+
+class Shared(Generic[T]):
+    """Broadcast ``obj`` to every device as is: never split, never cast, never a vote.
+
+    Tensors inside are moved to each replica's device; everything else is shared by reference.
+    Use it for inputs that are not batched, such as a lookup table or a batch-1 prompt.
+
+    >>> Shared([8, 8])
+    Shared([8, 8])
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: T) -> None:
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"Shared({self.obj!r})"
+
+
+class Split(Generic[T]):
+    """Split ``obj`` along the batch: a tensor or ndarray along ``dim``, a sequence by items.
+
+    The first ``Split`` sets the batch size when ``batch_size=`` is not given; a ``Split`` whose
+    size is not the batch size is an error. Use it to settle an ambiguity, such as a list of
+    ``(3, H, W)`` images that would otherwise be cut by channel.
+
+    Args:
+        obj: a tensor, an ndarray, a list or a tuple.
+        dim: the dimension to split a tensor or ndarray along; ``None`` means the call's ``dim``.
+    """
+
+    __slots__ = ("dim", "obj")
+
+    def __init__(self, obj: T, dim: int | None = None) -> None:
+        self.obj = obj
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        extra = "" if self.dim is None else f", dim={self.dim}"
+        return f"Split({self.obj!r}{extra})"
+
+
+def unwrap(obj: Any) -> Any:
+    """The object inside a marker, or ``obj`` itself."""
+    return obj.obj if isinstance(obj, (Shared, Split)) else obj
