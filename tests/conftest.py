@@ -15,6 +15,11 @@ import torch
 POOL_THREAD_PREFIX = "dataparallel-"
 
 
+def _env() -> dict[str, str]:
+    # pytest sets PYTEST_CURRENT_TEST itself while a test runs
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+
+
 def _foreign_threads() -> set[threading.Thread]:
     return {
         t
@@ -27,7 +32,7 @@ def _foreign_threads() -> set[threading.Thread]:
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaks threads, environment variables or a process group."""
     before_threads = _foreign_threads()
-    before_env = dict(os.environ)
+    before_env = _env()
     yield
     deadline = time.monotonic() + 2.0
     leaked = _foreign_threads() - before_threads
@@ -37,11 +42,14 @@ def no_leaks() -> Iterator[None]:
     problems = []
     if leaked:
         problems.append(f"threads left running: {sorted(t.name for t in leaked)}")
-    env = dict(os.environ)
+    env = _env()
     if env != before_env:
         changed = sorted(k for k in set(env) | set(before_env) if env.get(k) != before_env.get(k))
-        os.environ.clear()
-        os.environ.update(before_env)
+        for key in changed:
+            if key in before_env:
+                os.environ[key] = before_env[key]
+            else:
+                os.environ.pop(key, None)
         problems.append(f"environment variables changed: {changed}")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

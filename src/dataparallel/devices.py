@@ -10,13 +10,13 @@ position in the list.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import TypeAlias
 
 import torch
 
 __all__ = ["DeviceSpec", "default_devices", "resolve_device", "resolve_devices", "target_device"]
 
-DeviceSpec = Union[int, str, torch.device]
+DeviceSpec: TypeAlias = "int | str | torch.device"
 
 _KNOWN_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 
@@ -44,9 +44,7 @@ def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
         raise ValueError(f"{where}: expected a device such as 'cpu', 'cuda:0' or 0, got {spec!r}")
     if isinstance(spec, int):
         if spec < 0:
-            raise ValueError(
-                f"{where}: expected a CUDA index >= 0, got {spec!r}; {_fix_hint()}"
-            )
+            raise ValueError(f"{where}: expected a CUDA index >= 0, got {spec!r}; {_fix_hint()}")
         device = torch.device("cuda", spec)
     elif isinstance(spec, torch.device):
         device = spec
@@ -60,12 +58,13 @@ def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
             ) from exc
     else:
         raise ValueError(
-            f"{where}: expected an int, a str or a torch.device, got {type(spec).__name__} "
-            f"{spec!r}"
+            f"{where}: expected an int, a str or a torch.device, got {type(spec).__name__} {spec!r}"
         )
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{where}: {spec!r} asks for CUDA, which is not available; {_fix_hint()}")
+            raise ValueError(
+                f"{where}: {spec!r} asks for CUDA, which is not available; {_fix_hint()}"
+            )
         index = torch.cuda.current_device() if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise ValueError(
@@ -76,7 +75,9 @@ def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
     elif device.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise ValueError(f"{where}: {spec!r} asks for MPS, which is not available; {_fix_hint()}")
+            raise ValueError(
+                f"{where}: {spec!r} asks for MPS, which is not available; {_fix_hint()}"
+            )
     elif device.type not in _KNOWN_TYPES:
         raise ValueError(f"{where}: device type {device.type!r} is not supported; {_fix_hint()}")
     return device

@@ -1,0 +1,604 @@
+"""The batch rules: decide how a call's arguments are split, before anything runs.
+
+``plan`` walks the positional and keyword arguments once, collects the votes for the batch
+size, decides ``B``, gives every leaf a rule (``split``, ``per-sample`` or ``broadcast``) with
+the reason, and cuts ``B`` into chunk sizes (and waves under ``max_size``). The result is a
+``Plan``: a readable record for ``explain`` and a compiled tree that ``dataparallel.scatter``
+executes for any slice of the batch. The rules are those of DESIGN.md, "The batch rules".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataparallel.chunking import cut_batch
+from dataparallel.devices import DeviceSpec, resolve_devices
+from dataparallel.markers import Shared, Split
+from dataparallel.tree import (
+    LIST,
+    container_kind,
+    contains_array,
+    describe,
+    path_key,
+    struct_items,
+)
+
+__all__ = ["Entry", "Plan", "Vote", "plan"]
+
+SPLIT = "split"
+PER_SAMPLE = "per-sample"
+BROADCAST = "broadcast"
+
+_OPTION_NAMES = ("batch_size", "chunk_sizes", "weights", "max_size", "dtype", "strict")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The rule one leaf follows: ``path`` such as ``"args[1]['boxes']"``, ``rule``, ``why``."""
+
+    path: str
+    rule: str
+    why: str
+    what: str = ""
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One vote for the batch size: who (``path``), for which ``size``, and as what."""
+
+    path: str
+    size: int
+    source: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled nodes, executed by dataparallel.scatter for a slice [start, start + length).
+
+
+class Node:
+    """A compiled step of the plan."""
+
+    __slots__ = ()
+
+
+class SplitNode(Node):
+    """A tensor or ndarray cut along ``dim``."""
+
+    __slots__ = ("cast", "dim", "obj")
+
+    def __init__(self, obj: Any, dim: int, cast: bool) -> None:
+        self.obj, self.dim, self.cast = obj, dim, cast
+
+
+class PerSampleNode(Node):
+    """A sequence cut by items; tensors among the items are moved (and cast)."""
+
+    __slots__ = ("cast", "holds_arrays", "obj")
+
+    def __init__(self, obj: Any, cast: bool) -> None:
+        self.obj, self.cast = obj, cast
+        self.holds_arrays = any(contains_array(item) for item in obj)
+
+
+class BroadcastNode(Node):
+    """A value given whole to every device; tensors inside are moved (cast unless shared)."""
+
+    __slots__ = ("cast", "moves", "obj")
+
+    def __init__(self, obj: Any, cast: bool) -> None:
+        self.obj, self.cast = obj, cast
+        self.moves = contains_array(obj)
+
+
+class StructNode(Node):
+    """A container rebuilt with its own type from its children's results."""
+
+    __slots__ = ("children", "keys", "kind", "template")
+
+    def __init__(self, kind: str, template: Any, keys: list[Any], children: list[Node]) -> None:
+        self.kind, self.template, self.keys, self.children = kind, template, keys, children
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclass(eq=False)
+class Plan:
+    """How one call's arguments are split over devices. Made by ``plan``; runs nothing.
+
+    Attributes:
+        batch_size: ``B``, the number of samples in the call.
+        devices: the devices used, one per chunk (a device whose chunk is empty is not used).
+        chunk_sizes: the samples each used device processes, summed over waves.
+        entries: one per leaf, with its path, rule and reason.
+        votes: every vote for the batch size, in order.
+        waves: the chunk sizes of each wave (one wave unless ``max_size`` forces more).
+        decided_by: how ``B`` was decided (``batch_size=``, a ``dp.Split``, a vote).
+        warnings: the messages a call with this plan warns with (inputs broadcast because
+            their size is not ``B``).
+    """
+
+    batch_size: int
+    devices: list[torch.device]
+    chunk_sizes: list[int]
+    entries: list[Entry]
+    votes: list[Vote]
+    waves: list[list[int]]
+    decided_by: str
+    dim: int
+    warnings: list[str] = field(default_factory=list)
+    dtype: torch.dtype | None = None
+    # Compiled tree, and how to cut: each wave is a list of (device, start, length).
+    root_args: Node | None = field(default=None, repr=False)
+    root_kwargs: StructNode | None = field(default=None, repr=False)
+    args_is_tuple: bool = field(default=True, repr=False)
+    slices: list[list[tuple[torch.device, int, int]]] = field(default_factory=list, repr=False)
+    warning_key: tuple[str, ...] = field(default=(), repr=False)
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table of a plan: batch size and votes, devices and chunks, one row per leaf."""
+    lines = [f"batch size {p.batch_size}, decided by {p.decided_by}"]
+    if p.votes:
+        tally: dict[int, list[str]] = {}
+        for vote in p.votes:
+            tally.setdefault(vote.size, []).append(f"{vote.path} ({vote.source})")
+        for size, voters in tally.items():
+            lines.append(f"  {len(voters)} vote(s) for {size}: {', '.join(voters)}")
+    names = ", ".join(str(d) for d in p.devices)
+    lines.append(f"devices used ({len(p.devices)}): {names}")
+    if len(p.waves) == 1:
+        lines.append(f"chunk sizes: {p.waves[0]}")
+    else:
+        lines.append(f"waves ({len(p.waves)}): {p.waves}")
+    if p.entries:
+        rows = [("path", "what", "rule", "why")] + [
+            (e.path, e.what, e.rule, e.why) for e in p.entries
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+    else:
+        lines.append("  (no leaves)")
+    lines.extend(f"warning: {w}" for w in p.warnings)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass 1: classify every node and collect the votes.
+
+
+class _Info:
+    """What pass 1 learned about one position; pass 2 turns it into a compiled node."""
+
+    __slots__ = ("children", "common", "keys", "kind", "obj", "path", "size")
+
+    def __init__(self, kind: str, obj: Any, path: str) -> None:
+        self.kind = kind
+        self.obj = obj
+        self.path = path
+        self.size: int | None = None
+        self.common: int | None = None
+        self.keys: list[Any] = []
+        self.children: list[_Info] = []
+
+
+def _is_array(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, np.ndarray))
+
+
+def _size_along(x: Any, dim: int) -> int | None:
+    """``x``'s size along ``dim``, or ``None`` when it has no such dimension."""
+    ndim = x.ndim
+    if dim >= 0:
+        return int(x.shape[dim]) if ndim > dim else None
+    return int(x.shape[dim]) if ndim >= -dim else None
+
+
+def _item_kind(x: Any) -> Any:
+    """The kind of a list item, for telling sequences from structure."""
+    if isinstance(x, torch.Tensor):
+        return "tensor"
+    if isinstance(x, np.ndarray):
+        return "ndarray"
+    if isinstance(x, (bool, np.bool_)):
+        return "bool"
+    if isinstance(x, (int, float, complex, np.number)):
+        return "number"
+    if isinstance(x, Mapping):
+        return "mapping"
+    return type(x)
+
+
+class _Collector:
+    """Pass 1: walks the arguments, classifies positions and records votes in order."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.votes: list[Vote] = []
+        self.first_split: tuple[str, int] | None = None
+        self.axis = f"dim {dim}"
+
+    def visit(self, obj: Any, path: str) -> _Info:
+        dim = self.dim
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            info = _Info("array", obj, path)
+            info.size = _size_along(obj, dim)
+            if info.size is not None:
+                self.votes.append(Vote(path, info.size, f"size along {self.axis}"))
+            return info
+        if isinstance(obj, Shared):
+            return _Info("shared", obj, path)
+        if isinstance(obj, Split):
+            return self._visit_split(obj, path)
+        if isinstance(obj, list) and obj:
+            kind = self._list_kind(obj)
+            if kind == "tensorlist":
+                info = _Info("tensorlist", obj, path)
+                info.common = _size_along(obj[0], dim)
+                info.size = len(obj)
+                self.votes.append(Vote(path, info.common or 0, f"common size along {self.axis}"))
+                self.votes.append(Vote(path, info.size, "length"))
+                return info
+            if kind == "sequence":
+                info = _Info("sequence", obj, path)
+                info.size = len(obj)
+                self.votes.append(Vote(path, info.size, "length"))
+                return info
+        container = container_kind(obj)
+        if container is None:
+            return _Info("other", obj, path)
+        info = _Info(container, obj, path)
+        info.keys, values = struct_items(obj, container)
+        info.children = [
+            self.visit(v, path + path_key(container, k))
+            for k, v in zip(info.keys, values, strict=True)
+        ]
+        return info
+
+    def _list_kind(self, obj: list[Any]) -> str:
+        """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list."""
+        first = obj[0]
+        if isinstance(first, torch.Tensor):
+            if not all(isinstance(x, torch.Tensor) for x in obj):
+                return "structure"
+            sizes = {_size_along(x, self.dim) for x in obj}
+            if len(sizes) == 1 and None not in sizes:
+                return "tensorlist"
+            return "sequence"
+        kind = _item_kind(first)
+        if all(_item_kind(x) == kind for x in obj):
+            return "sequence"
+        return "structure"
+
+    def _visit_split(self, marker: Split[Any], path: str) -> _Info:
+        inner = marker.obj
+        info = _Info("split", marker, path)
+        if _is_array(inner):
+            dim = self.dim if marker.dim is None else marker.dim
+            info.size = _size_along(inner, dim)
+            if info.size is None:
+                raise ValueError(
+                    f"{path}: dp.Split of {describe(inner)} along dim {dim}, which it does not "
+                    f"have; expected a dim below {inner.ndim}: pass dp.Split(x, dim=...)"
+                )
+        elif isinstance(inner, (list, tuple)):
+            info.size = len(inner)
+        else:
+            raise TypeError(
+                f"{path}: dp.Split expected a tensor, an ndarray, a list or a tuple, got "
+                f"{describe(inner)}; wrap only batched inputs in dp.Split"
+            )
+        if self.first_split is None:
+            self.first_split = (path, info.size)
+        return info
+
+
+def _decide_batch_size(
+    votes: list[Vote], first_split: tuple[str, int] | None, batch_size: int | None
+) -> tuple[int, str]:
+    """``B`` and a phrase saying how it was decided: option, first ``dp.Split``, or vote."""
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        return batch_size, "batch_size="
+    if first_split is not None:
+        return first_split[1], f"dp.Split at {first_split[0]}"
+    if not votes:
+        return 1, "default (no input has a batch dimension)"
+    counts: dict[int, int] = {}
+    for vote in votes:
+        counts[vote.size] = counts.get(vote.size, 0) + 1
+    top = max(counts.values())
+    # dicts keep insertion order, so the first size reaching the top count is the earliest vote
+    winner = next(size for size, n in counts.items() if n == top)
+    tied = [size for size, n in counts.items() if n == top]
+    how = f"vote ({top} of {len(votes)})"
+    if len(tied) > 1:
+        how += f", tie with {tied[1:]} broken by the earliest vote"
+    return winner, how
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass 2: with B known, give every leaf its rule.
+
+
+class _Compiler:
+    def __init__(self, batch: int, dim: int, voters: str, strict: bool, cast: bool) -> None:
+        self.batch = batch
+        self.dim = dim
+        self.voters = voters
+        self.strict = strict
+        self.cast = cast
+        self.entries: list[Entry] = []
+        self.mismatched: list[tuple[str, str]] = []  # (path, what was found)
+        self.notes: list[str] = []
+
+    def entry(self, info: _Info, rule: str, why: str) -> None:
+        self.entries.append(Entry(info.path, rule, why, describe(info.obj)))
+
+    def mismatch(self, path: str, found: str) -> None:
+        if self.strict:
+            raise ValueError(
+                f"{path}: {found}, expected the batch size {self.batch} ({self.voters}) "
+                f"(strict=True); mark it dp.Shared(...) if it is not batched, or pass "
+                f"batch_size=/dp.Split(...) if the batch size is wrong"
+            )
+        self.mismatched.append((path, found))
+
+    def compile(self, info: _Info) -> Node:
+        kind = info.kind
+        if kind == "array":
+            return self._array(info)
+        if kind == "tensorlist":
+            return self._tensorlist(info)
+        if kind == "sequence":
+            return self._sequence(info)
+        if kind == "split":
+            return self._split(info)
+        if kind == "shared":
+            self.entry(info, BROADCAST, "marked dp.Shared")
+            return BroadcastNode(info.obj.obj, cast=False)
+        if kind == "other":
+            self.entry(info, BROADCAST, "not batched (no tensor, ndarray or sequence)")
+            return BroadcastNode(info.obj, cast=self.cast)
+        # containers (an empty list is structure too)
+        children = [self.compile(c) for c in info.children]
+        return StructNode(kind, info.obj, info.keys, children)
+
+    def _array(self, info: _Info) -> Node:
+        b, size = self.batch, info.size
+        if size is None:
+            why = "0-dim" if info.obj.ndim == 0 else f"no dim {self.dim}"
+            self.entry(info, BROADCAST, f"{why}: not batched")
+            return BroadcastNode(info.obj, cast=self.cast)
+        if size == b:
+            self.entry(info, SPLIT, f"size {size} along dim {self.dim} is the batch size")
+            return SplitNode(info.obj, self.dim, self.cast)
+        self.mismatch(info.path, f"size {size} along dim {self.dim}")
+        self.entry(info, BROADCAST, f"size {size} along dim {self.dim} is not the batch size {b}")
+        return BroadcastNode(info.obj, cast=self.cast)
+
+    def _tensorlist(self, info: _Info) -> Node:
+        b, obj = self.batch, info.obj
+        if info.common == b:
+            if info.size != b:
+                self.notes.append(
+                    f"{info.path}: a list of {info.size} tensors was read as structure, each "
+                    f"tensor split along dim {self.dim} (common size {b}); if its items are "
+                    f"samples, pass dp.Split({info.path})"
+                )
+            children: list[Node] = []
+            for i, t in enumerate(obj):
+                path = f"{info.path}[{i}]"
+                self.entries.append(
+                    Entry(
+                        path,
+                        SPLIT,
+                        f"item of a tensor list whose common size {b} is the batch size",
+                        describe(t),
+                    )
+                )
+                children.append(SplitNode(t, self.dim, self.cast))
+            return StructNode(LIST, obj, list(range(len(obj))), children)
+        if info.size == b:
+            self.entry(info, PER_SAMPLE, f"a list of {b} tensors: its length is the batch size")
+            return PerSampleNode(obj, self.cast)
+        # neither reading fits: each tensor follows the rules alone
+        children = []
+        for i, t in enumerate(obj):
+            child = _Info("array", t, f"{info.path}[{i}]")
+            child.size = info.common
+            children.append(self._array(child))
+        return StructNode(LIST, obj, list(range(len(obj))), children)
+
+    def _sequence(self, info: _Info) -> Node:
+        b, n = self.batch, info.size
+        if n == b:
+            self.entry(info, PER_SAMPLE, f"a sequence of {n} items: its length is the batch size")
+            return PerSampleNode(info.obj, self.cast)
+        node = BroadcastNode(info.obj, cast=self.cast)
+        if node.moves:
+            self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
+        self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
+        return node
+
+    def _split(self, info: _Info) -> Node:
+        marker, b = info.obj, self.batch
+        if info.size != b:
+            raise ValueError(
+                f"{info.path}: dp.Split of {describe(marker.obj)} has size {info.size}, expected "
+                f"the batch size {b} ({self.voters}); split only inputs of the batch size, or "
+                f"pass batch_size=/chunk_sizes= that match it"
+            )
+        if _is_array(marker.obj):
+            dim = self.dim if marker.dim is None else marker.dim
+            self.entry(info, SPLIT, f"marked dp.Split (dim {dim})")
+            return SplitNode(marker.obj, dim, self.cast)
+        self.entry(info, PER_SAMPLE, "marked dp.Split: split by items")
+        return PerSampleNode(marker.obj, self.cast)
+
+
+def _warning_text(
+    batch: int, how: str, voters: str, votes: list[Vote], mismatched: list[tuple[str, str]]
+) -> str:
+    found = "; ".join(f"{path} has {what}" for path, what in mismatched)
+    fixes = []
+    if how.startswith("vote"):
+        names = sorted(
+            {v.path for v in votes if v.size == batch}, key=[v.path for v in votes].index
+        )
+        fixes.append(
+            f"if {' and '.join(names)} {'is' if len(names) == 1 else 'are'} not batched, "
+            f"wrap {'it' if len(names) == 1 else 'them'} in dp.Shared(...)"
+        )
+    fixes.append("pass batch_size=N if the batch size is wrong")
+    fixes.append("wrap a batched input in dp.Split(...) to force its split")
+    return (
+        f"{found}, not the batch size {batch} ({voters}), so it is broadcast whole to every "
+        f"device. To fix: {'; or '.join(fixes)}. dp.plan(...) or DataParallel.explain(...) "
+        f"shows every vote."
+    )
+
+
+def _voters_phrase(batch: int, how: str, votes: list[Vote]) -> str:
+    if how.startswith("vote"):
+        names = [v.path for v in votes if v.size == batch]
+        return f"voted by {', '.join(names)}"
+    return f"set by {how}"
+
+
+def check_options(opts: Mapping[str, Any]) -> None:
+    unknown = sorted(set(opts) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unexpected option(s) {unknown}; expected some of {list(_OPTION_NAMES)}")
+
+
+def build_plan(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devices: list[torch.device],
+    dim: int = 0,
+    *,
+    batch_size: int | None = None,
+    chunk_sizes: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
+    max_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+    allow_waves: bool = True,
+) -> Plan:
+    """``plan`` for already resolved devices (the wrapper's fast path)."""
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs: expected a dict of keyword arguments, got {describe(kwargs)}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype such as torch.float16, got {dtype!r}")
+    collector = _Collector(dim)
+    is_tuple = type(inputs) is tuple
+    if is_tuple:
+        arg_infos = [collector.visit(a, f"args[{i}]") for i, a in enumerate(inputs)]
+    else:
+        arg_info = collector.visit(inputs, "input")
+    kw_keys = list(kwargs.keys())
+    kw_infos = [collector.visit(kwargs[k], f"kwargs[{k!r}]") for k in kw_keys]
+
+    batch, how = _decide_batch_size(collector.votes, collector.first_split, batch_size)
+    if batch == 0:
+        raise ValueError(
+            f"the batch size is 0 (decided by {how}): expected at least one sample; an empty "
+            f"batch has nothing to run, skip the call or pass batch_size=N"
+        )
+    voters = _voters_phrase(batch, how, collector.votes)
+    compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None)
+    if is_tuple:
+        root_args: Node = StructNode(
+            "tuple", inputs, list(range(len(inputs))), [compiler.compile(i) for i in arg_infos]
+        )
+    else:
+        root_args = compiler.compile(arg_info)
+    root_kwargs = StructNode(
+        "mapping", dict(kwargs), kw_keys, [compiler.compile(i) for i in kw_infos]
+    )
+
+    waves = cut_batch(
+        batch,
+        len(devices),
+        chunk_sizes=chunk_sizes,
+        weights=weights,
+        max_size=max_size,
+        allow_waves=allow_waves,
+    )
+    slices: list[list[tuple[torch.device, int, int]]] = []
+    start = 0
+    totals = [0] * len(devices)
+    for wave in waves:
+        cut = []
+        for index, size in enumerate(wave):
+            if size:
+                cut.append((devices[index], start, size))
+                start += size
+                totals[index] += size
+        slices.append(cut)
+    used = [i for i, total in enumerate(totals) if total]
+    warnings = list(compiler.notes)
+    if compiler.mismatched:
+        warnings.insert(0, _warning_text(batch, how, voters, collector.votes, compiler.mismatched))
+    return Plan(
+        batch_size=batch,
+        devices=[devices[i] for i in used],
+        chunk_sizes=[totals[i] for i in used],
+        entries=compiler.entries,
+        votes=collector.votes,
+        waves=[[s for s in wave if s] for wave in waves],
+        decided_by=how,
+        dim=dim,
+        warnings=warnings,
+        dtype=dtype,
+        root_args=root_args,
+        root_kwargs=root_kwargs,
+        args_is_tuple=is_tuple,
+        slices=slices,
+        warning_key=tuple(path for path, _ in compiler.mismatched)
+        + tuple(note.split(":", 1)[0] for note in compiler.notes),
+    )
+
+
+def plan(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    devices: DeviceSpec | Sequence[DeviceSpec] | None = None,
+    dim: int = 0,
+    **opts: Any,
+) -> Plan:
+    """Decide how a call's arguments are split over ``devices``; runs nothing.
+
+    Args:
+        inputs: the positional arguments as a ``tuple``; anything else is one argument.
+        kwargs: the keyword arguments (a dict), or ``None``.
+        devices: a device list such as ``["cpu", "cpu"]`` or ``[0, 1]``; ``None`` means every
+            visible CUDA device, else the CPU.
+        dim: the batch dimension of tensors and ndarrays.
+        **opts: ``batch_size``, ``chunk_sizes``, ``weights``, ``max_size``, ``dtype``,
+            ``strict`` (see DESIGN.md, "The batch rules").
+
+    Returns:
+        A ``Plan``; ``str(plan)`` is a readable table of the votes and of each leaf's rule.
+
+    >>> import torch, dataparallel as dp
+    >>> p = dp.plan((torch.zeros(10, 3), torch.zeros(1, 4)), None, ["cpu", "cpu"])
+    >>> p.batch_size, p.chunk_sizes, [e.rule for e in p.entries]
+    (10, [5, 5], ['split', 'broadcast'])
+    """
+    check_options(opts)
+    return build_plan(inputs, kwargs, resolve_devices(devices), dim, **opts)

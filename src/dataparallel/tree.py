@@ -1,0 +1,184 @@
+"""Nested structures: what counts as a container, how to take one apart and put it back.
+
+Scatter, gather and the distributed helpers all walk the same kinds of containers: tuples,
+namedtuples, lists, Mappings (dicts, OrderedDicts, model-output classes) and dataclasses. This
+module is the one place that knows how to list their children, name their paths
+(``args[1]['boxes']``, ``output.logits``) and rebuild them with their own type.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dataparallel.markers import Shared, Split
+
+__all__ = [
+    "describe",
+    "is_dataclass_instance",
+    "is_namedtuple",
+    "map_tensors",
+    "rebuild",
+    "struct_items",
+]
+
+# Kinds of containers.
+TUPLE = "tuple"
+NAMEDTUPLE = "namedtuple"
+LIST = "list"
+MAPPING = "mapping"
+DATACLASS = "dataclass"
+
+
+def is_namedtuple(obj: Any) -> bool:
+    """True for instances of ``collections.namedtuple`` and ``typing.NamedTuple`` classes."""
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def is_dataclass_instance(obj: Any) -> bool:
+    """True for dataclass instances (not dataclass types)."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def container_kind(obj: Any) -> str | None:
+    """The container kind of ``obj``, or ``None`` for a leaf.
+
+    Mappings are checked before dataclasses, so model-output classes (an ``OrderedDict`` that is
+    also a dataclass) are walked by key, as their users index them.
+    """
+    if isinstance(obj, tuple):
+        return NAMEDTUPLE if hasattr(type(obj), "_fields") else TUPLE
+    if isinstance(obj, list):
+        return LIST
+    if isinstance(obj, Mapping):
+        return MAPPING
+    if is_dataclass_instance(obj):
+        return DATACLASS
+    return None
+
+
+def struct_items(obj: Any, kind: str) -> tuple[list[Any], list[Any]]:
+    """The keys and values of a container of the given kind, in order."""
+    if kind == MAPPING:
+        return list(obj.keys()), list(obj.values())
+    if kind == DATACLASS:
+        names = [f.name for f in dataclasses.fields(obj)]
+        return names, [getattr(obj, n) for n in names]
+    if kind == NAMEDTUPLE:
+        return list(type(obj)._fields), list(obj)
+    return list(range(len(obj))), list(obj)
+
+
+def path_key(kind: str, key: Any) -> str:
+    """The path suffix of one child: ``[0]``, ``['boxes']`` or ``.logits``."""
+    if kind in (DATACLASS, NAMEDTUPLE):
+        return f".{key}"
+    return f"[{key!r}]"
+
+
+def rebuild(kind: str, template: Any, keys: list[Any], values: list[Any]) -> Any:
+    """A container like ``template`` (same type) holding ``values``.
+
+    Dataclasses are copied and their fields set with ``object.__setattr__``, so frozen ones and
+    ones with ``init=False`` fields come back whole.
+    """
+    if kind == TUPLE:
+        return tuple(values) if type(template) is tuple else type(template)(values)
+    if kind == NAMEDTUPLE:
+        return type(template)(*values)
+    if kind == LIST:
+        if type(template) is list:
+            return values
+        try:
+            return type(template)(values)
+        except TypeError:
+            return values
+    if kind == MAPPING:
+        if type(template) is dict:
+            return dict(zip(keys, values, strict=True))
+        if isinstance(template, defaultdict):
+            return type(template)(template.default_factory, zip(keys, values, strict=True))
+        if is_dataclass_instance(template):
+            new = copy.copy(template)
+            for key, value in zip(keys, values, strict=True):
+                new[key] = value
+            return new
+        try:
+            return type(template)(zip(keys, values, strict=True))
+        except TypeError:
+            new = copy.copy(template)
+            for key, value in zip(keys, values, strict=True):
+                new[key] = value
+            return new
+    # DATACLASS
+    new = copy.copy(template)
+    for key, value in zip(keys, values, strict=True):
+        object.__setattr__(new, key, value)
+    return new
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor inside nested containers; markers are unwrapped.
+
+    Other leaves are returned as they are (shared by reference).
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (Shared, Split)):
+        return map_tensors(obj.obj, fn)
+    kind = container_kind(obj)
+    if kind is None:
+        return obj
+    keys, values = struct_items(obj, kind)
+    return rebuild(kind, obj, keys, [map_tensors(v, fn) for v in values])
+
+
+def contains_array(obj: Any) -> bool:
+    """True when a tensor or ndarray lies anywhere inside ``obj``."""
+    if isinstance(obj, torch.Tensor) or _is_ndarray(obj):
+        return True
+    if isinstance(obj, (Shared, Split)):
+        return contains_array(obj.obj)
+    kind = container_kind(obj)
+    if kind is None:
+        return False
+    return any(contains_array(v) for v in struct_items(obj, kind)[1])
+
+
+def _is_ndarray(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def describe(obj: Any) -> str:
+    """A short description of a value for plans and messages: ``Tensor[10, 3] float32``."""
+    if isinstance(obj, torch.Tensor):
+        dtype = str(obj.dtype).removeprefix("torch.")
+        where = "" if obj.device.type == "cpu" else f" {obj.device}"
+        return f"Tensor[{', '.join(map(str, obj.shape))}] {dtype}{where}"
+    if _is_ndarray(obj):
+        return f"ndarray[{', '.join(map(str, obj.shape))}] {obj.dtype}"
+    if isinstance(obj, Shared):
+        return f"Shared({describe(obj.obj)})"
+    if isinstance(obj, Split):
+        return f"Split({describe(obj.obj)})"
+    if isinstance(obj, (list, tuple)):
+        name = type(obj).__name__
+        if not obj:
+            return f"{name}[0]"
+        kinds = sorted(
+            {type(x).__name__ if not isinstance(x, torch.Tensor) else "Tensor" for x in obj}
+        )
+        return f"{name}[{len(obj)}] of {'/'.join(kinds)}"
+    if isinstance(obj, Mapping):
+        return f"{type(obj).__name__} with {len(obj)} keys"
+    if isinstance(obj, (str, bytes)):
+        text = repr(obj)
+        return text if len(text) <= 24 else text[:21] + "..."
+    if obj is None or isinstance(obj, (bool, int, float, complex)):
+        return repr(obj)
+    return type(obj).__name__

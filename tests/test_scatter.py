@@ -1,0 +1,138 @@
+"""Scatter executes a plan: chunks, types, devices, casts and gradients."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import dataparallel as dp
+from dataparallel.plan import plan
+from dataparallel.scatter import take
+
+CPU2 = ["cpu", "cpu"]
+
+
+def test_s1_sixteen_ndarrays_eight_each() -> None:
+    arrays = [np.full(3, i) for i in range(16)]
+    chunks = dp.scatter(arrays, CPU2)
+    assert [len(c) for c in chunks] == [8, 8]
+    assert all(isinstance(a, np.ndarray) for c in chunks for a in c)
+    assert [int(a[0]) for c in chunks for a in c] == list(range(16))
+
+
+def test_s2_shared_batch_one_input_is_broadcast() -> None:
+    x1, x2 = torch.randn(10, 3, 8, 8), torch.randn(1, 100, 200)
+    with pytest.warns(UserWarning, match=r"args\[1\] has size 1 along dim 0"):
+        chunks = dp.scatter((x1, x2), CPU2)
+    assert [c[0].shape[0] for c in chunks] == [5, 5]
+    assert all(c[1] is x2 for c in chunks)  # same device: no copy
+    assert torch.equal(torch.cat([c[0] for c in chunks]), x1)
+
+
+def test_s3_batch_three_shared_input_not_split_two_one() -> None:
+    x1, x2 = torch.randn(10, 3), torch.randn(3, 100, 200)
+    p = plan((x1, x2), None, CPU2)
+    (entry,) = [e for e in p.entries if e.path == "args[1]"]
+    assert entry.rule == "broadcast" and "not the batch size 10" in entry.why
+    with pytest.warns(UserWarning):
+        chunks = dp.scatter((x1, x2), CPU2)
+    assert all(c[1].shape == (3, 100, 200) for c in chunks)
+
+
+def test_s5_chunk_options_and_dtype() -> None:
+    x = torch.randn(16, 8)
+    assert [c.shape[0] for c in dp.scatter(x, ["cpu"] * 4)] == [4, 4, 4, 4]
+    chunks = dp.scatter(x, ["cpu"] * 4, chunk_sizes=[2, 6, 4, 4])
+    assert [c.shape[0] for c in chunks] == [2, 6, 4, 4]
+    assert torch.equal(torch.cat(chunks), x)
+    half = dp.scatter(x, ["cpu"] * 4, dtype=torch.float16)
+    assert all(c.dtype == torch.float16 for c in half)
+    assert torch.equal(torch.cat(half), x.half())
+    assert [c.shape[0] for c in dp.scatter(x, ["cpu"] * 4, max_size=4)] == [4, 4, 4, 4]
+    with pytest.raises(
+        ValueError,
+        match=r"max_size: a batch of 16 on 4 device\(s\) needs chunks "
+        r"of up to 4, expected at most 3 per device in one round",
+    ):
+        dp.scatter(x, ["cpu"] * 4, max_size=3)
+
+
+def test_dtype_casts_floats_only_and_not_shared() -> None:
+    x, y = torch.randn(4, 2), torch.arange(4)
+    shared = torch.randn(2, 2)
+    table = np.zeros((4, 2), dtype=np.float64)
+    (a, b, s, t, seq), _ = take(
+        plan(
+            (x, y, dp.Shared(shared), table, [torch.randn(2) for _ in range(4)]),
+            None,
+            CPU2,
+            dtype=torch.bfloat16,
+        ),
+        0,
+        2,
+        torch.device("cpu"),
+    )
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.int64
+    assert s.dtype == torch.float32 and t.dtype == np.float64
+    assert all(item.dtype == torch.bfloat16 for item in seq)
+
+
+def test_types_are_kept() -> None:
+    od = OrderedDict(a=torch.zeros(4, 1), b=["w", "x", "y", "z"])
+    chunks = dp.scatter((od, (1, 2)), CPU2)
+    assert [type(c[0]) for c in chunks] == [OrderedDict, OrderedDict]
+    assert chunks[1][0]["b"] == ["y", "z"]
+    assert chunks[0][1] == (1, 2)
+
+
+def test_non_tuple_input_returns_chunks_themselves() -> None:
+    chunks = dp.scatter(torch.arange(6), CPU2)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2], [3, 4, 5]]
+    chunks = dp.scatter({"x": torch.arange(6)}, CPU2)
+    assert [c["x"].tolist() for c in chunks] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_scatter_kwargs_every_device_gets_every_kwarg() -> None:
+    args, kwargs = dp.scatter_kwargs(
+        (torch.arange(5),), {"scale": 2.0, "names": list("abcde")}, ["cpu"] * 3
+    )
+    assert len(args) == len(kwargs) == 3
+    assert [k["scale"] for k in kwargs] == [2.0] * 3
+    assert [k["names"] for k in kwargs] == [["a", "b"], ["c", "d"], ["e"]]
+    # a non-tuple input is one positional argument
+    args, kwargs = dp.scatter_kwargs(torch.arange(4), None, CPU2)
+    assert [a[0].tolist() for a in args] == [[0, 1], [2, 3]] and kwargs == ({}, {})
+
+
+def test_markers_inside_a_per_sample_list_are_unwrapped() -> None:
+    chunks = dp.scatter(([dp.Shared(i) for i in range(4)], torch.zeros(4)), CPU2)
+    assert chunks[1][0] == [2, 3]
+
+
+def test_gradients_flow_back_through_scatter() -> None:
+    x = torch.randn(6, 3, requires_grad=True)
+    w = torch.randn(3)
+    chunks = dp.scatter((x, [torch.randn(3) for _ in range(6)]), ["cpu"] * 3)
+    loss = sum(((c[0] * w).sum(1) ** 2).sum() for c in chunks)
+    loss.backward()  # type: ignore[union-attr]
+    x2 = x.detach().clone().requires_grad_()
+    ((x2 * w).sum(1) ** 2).sum().backward()
+    assert torch.allclose(x.grad, x2.grad)  # type: ignore[arg-type]
+
+
+def test_empty_slice_for_ranks_past_the_batch() -> None:
+    p = plan((torch.zeros(3, 2), ["a", "b", "c"], 7), None, ["cpu"] * 5)
+    args, _ = take(p, 3, 0, torch.device("cpu"))
+    assert args[0].shape == (0, 2) and args[1] == [] and args[2] == 7
+
+
+def test_warning_shows_once_per_place() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            dp.scatter((torch.zeros(4, 2), torch.zeros(1, 2)), CPU2)
+    assert len(caught) == 1
