@@ -1,0 +1,38 @@
+# Two commands for a newcomer: `make train` runs the main job, `make test` runs every check.
+# Both set up .venv first (once), installing through constraints.txt so torch resolves to the
+# pinned CPU build on machines without a GPU.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train explain test lint bench bench-gpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/dataparallel train $(ARGS)
+
+explain: $(STAMP)
+	$(BIN)/dataparallel explain $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
