@@ -305,16 +305,16 @@ class _Collector:
 
 def _decide_batch_size(
     votes: list[Vote], first_split: tuple[str, int] | None, batch_size: int | None
-) -> tuple[int, str]:
+) -> tuple[int, str, list[int]]:
     """``B`` and a phrase saying how it was decided: option, first ``dp.Split``, or vote."""
     if batch_size is not None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
-        return batch_size, "batch_size="
+        return batch_size, "batch_size=", []
     if first_split is not None:
-        return first_split[1], f"dp.Split at {first_split[0]}"
+        return first_split[1], f"dp.Split at {first_split[0]}", []
     if not votes:
-        return 1, "default (no input has a batch dimension)"
+        return 1, "default (no input has a batch dimension)", []
     counts: dict[int, int] = {}
     for vote in votes:
         counts[vote.size] = counts.get(vote.size, 0) + 1
@@ -325,7 +325,7 @@ def _decide_batch_size(
     how = f"vote ({top} of {len(votes)})"
     if len(tied) > 1:
         how += f", tie with {tied[1:]} broken by the earliest vote"
-    return winner, how
+    return winner, how, tied[1:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,8 +333,11 @@ def _decide_batch_size(
 
 
 class _Compiler:
-    def __init__(self, batch: int, dim: int, voters: str, strict: bool, cast: bool) -> None:
+    def __init__(
+        self, batch: int, dim: int, voters: str, strict: bool, cast: bool, lost_ties: list[int]
+    ) -> None:
         self.batch = batch
+        self.lost_ties = lost_ties
         self.dim = dim
         self.voters = voters
         self.strict = strict
@@ -391,11 +394,13 @@ class _Compiler:
     def _tensorlist(self, info: _Info) -> Node:
         b, obj = self.batch, info.obj
         if info.common == b:
-            if info.size != b:
+            if info.size in self.lost_ties:
+                # torch's reading won only by the tie-break: say so, with the other reading's fix
                 self.notes.append(
                     f"{info.path}: a list of {info.size} tensors was read as structure, each "
-                    f"tensor split along dim {self.dim} (common size {b}); if its items are "
-                    f"samples, pass dp.Split({info.path})"
+                    f"tensor split along dim {self.dim} (common size {b}, tied with its length "
+                    f"{info.size} and first); if its items are samples, pass "
+                    f"dp.Split({info.path})"
                 )
             children: list[Node] = []
             for i, t in enumerate(obj):
@@ -513,14 +518,14 @@ def build_plan(
     kw_keys = list(kwargs.keys())
     kw_infos = [collector.visit(kwargs[k], f"kwargs[{k!r}]") for k in kw_keys]
 
-    batch, how = _decide_batch_size(collector.votes, collector.first_split, batch_size)
+    batch, how, lost_ties = _decide_batch_size(collector.votes, collector.first_split, batch_size)
     if batch == 0:
         raise ValueError(
             f"the batch size is 0 (decided by {how}): expected at least one sample; an empty "
             f"batch has nothing to run, skip the call or pass batch_size=N"
         )
     voters = _voters_phrase(batch, how, collector.votes)
-    compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None)
+    compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None, lost_ties=lost_ties)
     if is_tuple:
         root_args: Node = StructNode(
             "tuple", inputs, list(range(len(inputs))), [compiler.compile(i) for i in arg_infos]

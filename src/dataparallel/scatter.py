@@ -54,7 +54,9 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
     if isinstance(node, SplitNode):
         obj = node.obj
         if isinstance(obj, torch.Tensor):
-            return (move if node.cast else move_plain)(obj.narrow(node.dim, start, length))
+            if start or length != obj.shape[node.dim]:  # the whole batch needs no narrow
+                obj = obj.narrow(node.dim, start, length)
+            return (move if node.cast else move_plain)(obj)
         index = [slice(None)] * obj.ndim
         index[node.dim] = slice(start, start + length)
         return obj[tuple(index)]

@@ -1,0 +1,177 @@
+"""Property: scatter, then a per-sample identity on each chunk, then gather gives back the
+batch exactly: every sample once, in order, with its types, for random nested batches, device
+counts and chunk options."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dataparallel as dp
+from dataparallel.gather import gather
+from dataparallel.plan import plan
+from dataparallel.scatter import take
+
+MAX_BATCH = 40
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+@dataclasses.dataclass
+class Record:
+    value: Any
+    note: Any
+
+
+def _leaf(draw: st.DrawFn, batch: int, index: int) -> Any:
+    kinds = ["float", "long", "ndarray", "strings", "dicts"]
+    # one box alone is a tensor list (its size and its length tie): boxes need two samples
+    kind = draw(st.sampled_from([*kinds, "boxes"] if batch > 1 else kinds))
+    if kind == "float":
+        return torch.randn(batch, draw(st.integers(1, 3)))
+    if kind == "long":
+        return torch.arange(batch) + 1000 * index
+    if kind == "ndarray":
+        return np.arange(batch * 2, dtype=np.float64).reshape(batch, 2) + index
+    if kind == "strings":
+        return [f"s{index}-{i}" for i in range(batch)]
+    if kind == "boxes":
+        # leading sizes above any chunk size, so gather cannot mistake them for batched tensors
+        return [torch.full((MAX_BATCH + 1 + i % 3, 2), float(i)) for i in range(batch)]
+    return [{"id": i, "tag": index} for i in range(batch)]
+
+
+def _shared(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["int", "str", "shared-tensor", "none"]))
+    if kind == "int":
+        return draw(st.integers(-5, 5))
+    if kind == "str":
+        return "constant"
+    if kind == "shared-tensor":
+        return dp.Shared(torch.full((MAX_BATCH + 7, 2), 3.0))
+    return None
+
+
+@st.composite
+def batches(draw: st.DrawFn, batch: int, depth: int = 0, counter: list[int] | None = None) -> Any:
+    counter = counter if counter is not None else [0]
+    counter[0] += 1
+    if depth >= 2 or draw(st.booleans()):
+        return _leaf(draw, batch, counter[0])
+    container = draw(st.sampled_from(["dict", "tuple", "pair", "record", "list"]))
+    child = batches(batch, depth + 1, counter)
+    if container == "dict":
+        keys = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=3, unique=True))
+        out: dict[str, Any] = {k: draw(child) for k in keys}
+        out["const"] = _shared(draw)
+        return out
+    if container == "tuple":
+        return (draw(child), _shared(draw))
+    if container == "pair":
+        return Pair(draw(child), _shared(draw))
+    if container == "record":
+        return Record(draw(child), _shared(draw))
+    # a structural list: a batched tensor first, so gather reads it as structure
+    return [torch.randn(batch, 2), draw(child)]
+
+
+def unwrap_shared(obj: Any) -> Any:
+    """The batch as a replica sees it: dp.Shared markers removed."""
+    if isinstance(obj, dp.Shared):
+        return obj.obj
+    if isinstance(obj, dict):
+        return {k: unwrap_shared(v) for k, v in obj.items()}
+    if isinstance(obj, Pair):
+        return Pair(*(unwrap_shared(v) for v in obj))
+    if isinstance(obj, Record):
+        return Record(unwrap_shared(obj.value), unwrap_shared(obj.note))
+    if isinstance(obj, tuple):
+        return tuple(unwrap_shared(v) for v in obj)
+    if isinstance(obj, list):
+        return [unwrap_shared(v) for v in obj]
+    return obj
+
+
+def unwrap_batch_size(data: Any) -> int:
+    """The batch size the generator built (every batched leaf has it)."""
+    return next(v.size for v in plan((data,), None, ["cpu"]).votes)
+
+
+def assert_same(got: Any, want: Any, path: str = "batch") -> None:
+    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want), path
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and np.array_equal(got, want), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            assert_same(got[k], want[k], f"{path}[{k!r}]")
+    elif isinstance(want, Record):
+        assert_same(got.value, want.value, f"{path}.value")
+        assert_same(got.note, want.note, f"{path}.note")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, path
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Any, int, dict[str, Any]]:
+    batch = draw(st.integers(1, MAX_BATCH))
+    n = draw(st.integers(1, 8))
+    data = draw(batches(batch))
+    option = draw(st.sampled_from(["even", "chunk_sizes", "weights", "max_size"]))
+    opts: dict[str, Any] = {}
+    if option == "chunk_sizes":
+        cuts = sorted(draw(st.lists(st.integers(0, batch), min_size=n - 1, max_size=n - 1)))
+        bounds = [0, *cuts, batch]
+        opts["chunk_sizes"] = [bounds[i + 1] - bounds[i] for i in range(n)]
+    elif option == "weights":
+        weights = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+        if sum(weights) == 0:
+            weights[0] = 1
+        opts["weights"] = weights
+    elif option == "max_size":
+        opts["max_size"] = draw(st.integers(-(-batch // n), batch))
+    return data, n, opts
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_scatter_identity_gather_round_trip(case: tuple[Any, int, dict[str, Any]]) -> None:
+    data, n, opts = case
+    p = plan((data,), None, ["cpu"] * n, **opts)
+    outputs, sizes = [], []
+    for device, start, length in p.slices[0]:
+        (chunk,), _ = take(p, start, length, device)
+        outputs.append(chunk)  # the identity replica
+        sizes.append(length)
+    assert p.batch_size == unwrap_batch_size(data) == sum(sizes)
+    assert all(size > 0 for size in sizes)
+    back = gather(outputs, "cpu", chunk_sizes=sizes)
+    assert_same(back, unwrap_shared(data))
+    # the public scatter gives the same chunks
+    chunks = dp.scatter((data,), ["cpu"] * n, **opts)
+    assert len(chunks) == len(sizes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, MAX_BATCH), st.integers(1, 8))
+def test_every_sample_once_in_order(batch: int, n: int) -> None:
+    ids = torch.arange(batch)
+    names = [f"n{i}" for i in range(batch)]
+    chunks = dp.scatter((ids, names), ["cpu"] * n)
+    assert torch.equal(torch.cat([c[0] for c in chunks]), ids)
+    assert [name for c in chunks for name in c[1]] == names
+    assert all(len(c[1]) == c[0].shape[0] for c in chunks)
