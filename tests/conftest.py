@@ -16,8 +16,9 @@ POOL_THREAD_PREFIX = "dataparallel-"
 
 
 def _env() -> dict[str, str]:
-    # pytest sets PYTEST_CURRENT_TEST itself while a test runs
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # pytest sets PYTEST_CURRENT_TEST while a test runs; torch sets its inductor cache folder
+    # on a lazy import. Neither is the test's doing.
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TORCHINDUCTOR_"))}
 
 
 def _foreign_threads() -> set[threading.Thread]:

@@ -8,20 +8,40 @@
 from __future__ import annotations
 
 from dataparallel.devices import resolve_devices
+from dataparallel.gather import gather
 from dataparallel.markers import Shared, Split
+from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Entry, Plan, Vote, plan
+from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter, scatter_kwargs
+from dataparallel.wrapper import (
+    CallStats,
+    DataParallel,
+    DataParallelCriterion,
+    DeviceOutputs,
+    data_parallel,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallStats",
+    "DataParallel",
+    "DataParallelCriterion",
+    "DeviceOutputs",
     "Entry",
     "Plan",
     "Shared",
     "Split",
     "Vote",
     "__version__",
+    "clear_replica_cache",
+    "data_parallel",
+    "fresh_replicate",
+    "gather",
+    "parallel_apply",
     "plan",
+    "replicate",
     "resolve_devices",
     "scatter",
     "scatter_kwargs",

@@ -1,0 +1,560 @@
+"""Gather: the replicas' outputs -> one output, in batch order, on the target device.
+
+``torch.nn.DataParallel`` concatenates every tensor it finds, turns 0-dim losses into a vector
+and fails on strings, dataclasses and lists of boxes. ``gather`` reads each output by what it
+is, under the rules of DESIGN.md ("The gather rules"): batched tensors are concatenated, losses
+averaged by chunk size, per-sample lists joined, structures rebuilt with their own type, and
+everything else kept once when the replicas agree.
+
+The walk dispatches once per value on its class (cached), and builds argument paths such as
+``output['attn']`` only when a message needs one. With one replica it is a plain walk that moves
+tensors to the target device and rebuilds only containers whose contents moved.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+import operator
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from dataparallel.devices import DeviceSpec
+from dataparallel.devices import target_device as resolve_target
+
+__all__ = ["ScalarMode", "gather"]
+
+ScalarMode = Literal["mean", "sum", "stack"]
+_SCALAR_MODES = ("mean", "sum", "stack")
+
+# Kinds of values: a class is classified once, then found with one dict lookup.
+_NONE, _TENSOR, _ARRAY, _BOOL, _NUMBER, _LIST, _TUPLE, _NAMEDTUPLE = range(8)
+_MAPPING, _DATACLASS, _RECORD, _OTHER = range(8, 12)
+_STRUCTURES = frozenset((_LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _RECORD))
+_KINDS: dict[type, int] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_MAX_CACHED = 4096  # classes made on the fly (a namedtuple per call) must not grow it forever
+
+# A path is a chain of (parent, accessor, key) tuples, None at the root; it is formatted only
+# for a message, so the walk pays nothing for it.
+_Path = Any
+_Ctx = Any  # a _Context; Any keeps the handler table simple to type
+
+
+def _classify(cls: type) -> int:
+    if cls is type(None):
+        return _NONE
+    if issubclass(cls, torch.Tensor):
+        return _TENSOR
+    if issubclass(cls, np.ndarray):
+        return _ARRAY
+    if issubclass(cls, (bool, np.bool_)):
+        return _BOOL
+    if issubclass(cls, numbers.Complex):  # int, float, complex, Fraction, numpy numbers
+        return _NUMBER
+    if issubclass(cls, torch.Size):  # a shape is a value, not a tuple of numbers to average
+        return _OTHER
+    if issubclass(cls, list):
+        return _LIST
+    if issubclass(cls, tuple):
+        return _NAMEDTUPLE if hasattr(cls, "_fields") else _TUPLE
+    is_dataclass = dataclasses.is_dataclass(cls)
+    if issubclass(cls, Mapping):
+        return _RECORD if is_dataclass else _MAPPING
+    return _DATACLASS if is_dataclass else _OTHER
+
+
+def _kind(obj: Any) -> int:
+    cls = type(obj)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if len(_KINDS) >= _MAX_CACHED:
+            _KINDS.clear()
+        kind = _KINDS[cls] = _classify(cls)
+    return kind
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        if len(_FIELDS) >= _MAX_CACHED:
+            _FIELDS.clear()
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _fmt(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, accessor, key = path
+        parts.append(f".{key}" if accessor == "." else f"[{key!r}]")
+    return "output" + "".join(reversed(parts))
+
+
+class _Context:
+    """What every step of one gather needs; built once per call."""
+
+    __slots__ = ("counts", "dim", "scalars", "sizes", "target", "total", "weights")
+
+    def __init__(
+        self, target: torch.device, dim: int, sizes: tuple[int, ...] | None, scalars: str, n: int
+    ) -> None:
+        self.target = target
+        self.dim = dim
+        self.sizes = sizes
+        self.scalars = scalars
+        # Unknown sizes (or all zero) weigh every replica alike.
+        self.counts = sizes if sizes is not None and sum(sizes) > 0 else (1,) * n
+        self.total = sum(self.counts)
+        self.weights = tuple(c / self.total for c in self.counts)
+
+
+def gather(
+    outputs: Sequence[Any],
+    target_device: DeviceSpec | None,
+    dim: int = 0,
+    *,
+    chunk_sizes: Sequence[int] | None = None,
+    scalars: ScalarMode = "mean",
+) -> Any:
+    """Gather one output per replica into one output, batch order restored.
+
+    Args:
+        outputs: one output per replica, in batch order.
+        target_device: where the result lands; ``-1`` and ``"cpu"`` mean the CPU.
+        dim: the batch dimension of tensors and ndarrays.
+        chunk_sizes: each replica's chunk size (the plan's). ``None`` reads each replica's
+            size from its first tensor or ndarray (depth first) with a batch dimension; where
+            a replica has none, sizes are unknown: nothing is treated as batched by size, and
+            means are unweighted.
+        scalars: ``"mean"`` (chunk-weighted; constants come back unchanged), ``"sum"`` or
+            ``"stack"`` (torch's 1-d tensor) for numeric scalars such as losses.
+
+    Returns:
+        One output with the replicas' structure and types.
+
+    Raises:
+        ValueError: a bad argument, replicas that disagree on structure, or tensors that can
+            neither be told equal nor concatenated. The message names the output path.
+
+    >>> import torch
+    >>> parts = [{"y": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": 10},
+    ...          {"y": torch.zeros(1, 3), "loss": torch.tensor(4.0), "n": 10}]
+    >>> out = gather(parts, "cpu")
+    >>> out["y"].shape, out["loss"], out["n"]
+    (torch.Size([3, 3]), tensor(2.), 10)
+    """
+    if scalars not in _SCALAR_MODES:
+        raise ValueError(
+            f"scalars: expected one of {_SCALAR_MODES!r}, got {scalars!r}; use 'mean' for "
+            f"mean-reduced losses, 'sum' for sums and counts, 'stack' for torch's vector"
+        )
+    if isinstance(outputs, (str, bytes, Mapping, torch.Tensor, np.ndarray)) or not isinstance(
+        outputs, Sequence
+    ):
+        raise TypeError(
+            f"outputs: expected a list with one output per replica, got "
+            f"{type(outputs).__name__}; wrap a single output as [output]"
+        )
+    values = list(outputs)
+    if not values:
+        raise ValueError("outputs: expected at least one replica's output, got an empty list")
+    if isinstance(dim, bool):
+        raise ValueError(f"dim: expected an int, got {dim!r}")
+    dim = operator.index(dim)
+    target = resolve_target(target_device)
+    sizes = None if chunk_sizes is None else _check_chunk_sizes(chunk_sizes, len(values))
+    if len(values) == 1 and scalars != "stack":
+        # One replica: every rule gives its output back, tensors moved. "stack" still turns
+        # scalars into vectors, so it takes the full walk.
+        return _to_target(values[0], target, None)
+    if sizes is None:
+        found = [_first_batch_size(v, dim) for v in values]
+        sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
+    return _gather(values, None, _Context(target, dim, sizes, scalars, len(values)))
+
+
+def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
+    sizes = []
+    for i, size in enumerate(chunk_sizes):
+        if isinstance(size, bool) or not hasattr(size, "__index__") or operator.index(size) < 0:
+            raise ValueError(
+                f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}; pass the "
+                f"plan's chunk_sizes, or None to read them from the outputs"
+            )
+        sizes.append(operator.index(size))
+    if len(sizes) != n:
+        raise ValueError(
+            f"chunk_sizes: expected one size per output ({n}), got {len(sizes)}: "
+            f"{list(chunk_sizes)!r}; pass the plan's chunk_sizes, or None to read them from "
+            f"the outputs"
+        )
+    return tuple(sizes)
+
+
+def _first_batch_size(obj: Any, dim: int) -> int | None:
+    kind = _kind(obj)
+    if kind in (_TENSOR, _ARRAY):
+        return int(obj.shape[dim]) if -obj.ndim <= dim < obj.ndim else None
+    children: Iterable[Any] = ()
+    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+        children = obj
+    elif kind in (_MAPPING, _RECORD):
+        children = obj.values()
+    elif kind == _DATACLASS:
+        children = (getattr(obj, name) for name in _fields(type(obj)))
+    for child in children:
+        size = _first_batch_size(child, dim)
+        if size is not None:
+            return size
+    return None
+
+
+# ---------------------------------------------------------------------------- the walk
+
+
+def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    cls = type(values[0])
+    kind = _kind(values[0])
+    for value in values:
+        if type(value) is not cls:
+            if _kind(value) != kind:
+                return _gather_mixed(values, path, ctx)
+            if kind in _STRUCTURES:  # a dict and an OrderedDict, two namedtuple classes
+                raise _mismatch(path, "type", [type(v).__name__ for v in values])
+    return _HANDLERS[kind](values, path, ctx)
+
+
+def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rules 1 and 3 for tensors and ndarrays (0-dim ones are scalars, rule 2)."""
+    if all(v.ndim == 0 for v in values):
+        return _gather_scalars(values, path, ctx)
+    is_tensor = isinstance(values[0], torch.Tensor)
+    if is_tensor:
+        values = [v.to(ctx.target) for v in values]
+    if not _batched(values, ctx):
+        if _arrays_equal(values):
+            return values[0]
+        _warn_concat(values, path, ctx)
+    if is_tensor:
+        return torch.cat(values, ctx.dim)
+    return np.concatenate(values, axis=ctx.dim)
+
+
+def _batched(values: list[Any], ctx: _Ctx) -> bool:
+    if ctx.sizes is None:
+        return False
+    dim = ctx.dim
+    return all(
+        -v.ndim <= dim < v.ndim and v.shape[dim] == size
+        for v, size in zip(values, ctx.sizes, strict=True)
+    )
+
+
+def _arrays_equal(values: list[Any]) -> bool:
+    first = values[0]
+    equal = torch.equal if isinstance(first, torch.Tensor) else np.array_equal
+    try:
+        return all(
+            v is first or (v.shape == first.shape and v.dtype == first.dtype and equal(v, first))
+            for v in values
+        )
+    except Exception:  # object arrays whose items refuse ==
+        return False
+
+
+def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
+    dim = ctx.dim
+    shapes = [tuple(v.shape) for v in values]
+    ndim = len(shapes[0])
+    ok = -ndim <= dim < ndim and all(len(s) == ndim for s in shapes)
+    if ok:
+        d = dim % ndim
+        ok = len({s[:d] + s[d + 1 :] for s in shapes}) == 1
+    if not ok:
+        listing = ", ".join(f"replica {i} has shape {s}" for i, s in enumerate(shapes))
+        raise ValueError(
+            f"{_fmt(path)}: cannot concatenate the replicas' outputs along dim {dim}: "
+            f"{listing}; expected the same shape on every replica except along dim {dim}. "
+            f"Return the same value on every replica, a batch-sized one, or use gather=False "
+            f"to handle the per-replica outputs yourself"
+        )
+    sizes = "unknown" if ctx.sizes is None else list(ctx.sizes)
+    warnings.warn(
+        f"{_fmt(path)}: the replicas returned different values of shapes {shapes}, whose size "
+        f"along dim {dim} is not their chunk size (chunk sizes: {sizes}); concatenated them "
+        f"along dim {dim}, as torch.nn.DataParallel does. If this output is not batched, "
+        f"return the same value on every replica; if it is, give it the chunk size along dim "
+        f"{dim}; or use gather=False to handle the per-replica outputs yourself",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 2: numbers, numpy numbers, 0-dim tensors and ndarrays; booleans apart."""
+    target = ctx.target
+    if all(_is_bool(v) for v in values):  # never averaged: once if equal, else a list
+        values = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
+        return values[0] if all(bool(v) == bool(values[0]) for v in values) else values
+    if ctx.scalars == "stack":
+        return torch.stack([torch.as_tensor(v, device=target) for v in values])
+    if any(isinstance(v, torch.Tensor) for v in values):
+        # as_tensor moves a tensor like .to (differentiably) and makes one of a number
+        tensors = [torch.as_tensor(v, device=target) for v in values]
+        return _sum(tensors) if ctx.scalars == "sum" else _tensor_mean(tensors, ctx)
+    plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
+    if ctx.scalars == "sum":
+        return _sum(plain)
+    if _all_equal(plain):
+        return values[0]  # a constant (num_classes=10) keeps its type
+    return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True)]) / ctx.total
+
+
+def _is_bool(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)  # bool tensors, bool ndarrays and np.bool_
+    return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
+
+
+def _sum(items: list[Any]) -> Any:
+    return sum(items[1:], items[0])  # starts from the first, so ints stay ints
+
+
+def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
+    # Weights (not counts) multiply, so a float16 loss cannot overflow.
+    mean = _sum([t * w for t, w in zip(tensors, ctx.weights, strict=True)])
+    if any(t.requires_grad for t in tensors):
+        return mean  # a loss: its gradient must be the weighted one, even where values agree
+    first = tensors[0]
+    if first.is_floating_point() or first.is_complex():
+        # Keep a constant bit for bit without a device sync: choose on the device.
+        same = torch.stack([t.to(first.dtype) for t in tensors]).eq(first).all()
+        return torch.where(same, first, mean)
+    # Integer outputs keep their dtype only when equal, which needs one look at the values.
+    return first if _arrays_equal(tensors) else mean
+
+
+def _all_equal(values: list[Any]) -> bool:
+    """``==`` on every replica, guarded: an error or a non-bool answer (arrays) means no."""
+    first = values[0]
+    for value in values[1:]:
+        if value is first:
+            continue
+        try:
+            same = value == first
+        except Exception:
+            return False
+        if not (same is True or (isinstance(same, np.bool_) and bool(same))):
+            return False
+    return True
+
+
+def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 6: once if equal on every replica, else one per replica."""
+    return values[0] if _all_equal(values) else list(values)
+
+
+def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    kinds = [_kind(v) for v in values]
+    if all(k in (_NONE, _OTHER) for k in kinds):
+        return _gather_others(values, path, ctx)
+    if all(
+        k in (_NUMBER, _BOOL) or (k in (_TENSOR, _ARRAY) and v.ndim == 0)
+        for k, v in zip(kinds, values, strict=True)
+    ):
+        return _gather_scalars(values, path, ctx)  # e.g. a loss that is 0.0 on one replica
+    raise _mismatch(path, "type", [type(v).__name__ for v in values])
+
+
+def _mismatch(path: _Path, what: str, found: list[Any]) -> ValueError:
+    listing = ", ".join(f"replica {i} has {item}" for i, item in enumerate(found))
+    return ValueError(
+        f"{_fmt(path)}: replicas disagree on the {what}: {listing}; expected the same "
+        f"structure from every replica. Make forward return the same {what} on every replica, "
+        f"or use gather=False to handle the per-replica outputs yourself"
+    )
+
+
+def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 4: per-sample lists are concatenated; same-length lists are structure."""
+    first = values[0]
+    if ctx.sizes is not None and _per_sample(values, ctx.sizes, ctx.dim):
+        return _concat_lists(values, path, ctx)
+    n = len(first)
+    if any(len(v) != n for v in values):
+        return _concat_lists(values, path, ctx)
+    items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
+    return _rebuild_seq(first, items, path)
+
+
+def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
+    if any(len(v) != size for v, size in zip(values, sizes, strict=True)):
+        return False
+    for value, size in zip(values, sizes, strict=True):
+        for item in value:
+            if (
+                isinstance(item, (torch.Tensor, np.ndarray))
+                and -item.ndim <= dim < item.ndim
+                and item.shape[dim] == size
+            ):
+                return False  # a batched tensor: the list is structure (torch's reading)
+    return True
+
+
+def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    items = [_to_target(item, ctx.target, path) for value in values for item in value]
+    return _rebuild_seq(values[0], items, path)
+
+
+def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 5 for tuples and namedtuples."""
+    first = values[0]
+    n = len(first)
+    if any(len(v) != n for v in values):
+        raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
+    names = getattr(type(first), "_fields", None)
+    items = [
+        _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)
+        for i in range(n)
+    ]
+    return _rebuild_seq(first, items, path)
+
+
+def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 5 for Mappings, and model-output classes (a Mapping that is also a dataclass)."""
+    first = values[0]
+    keys = first.keys()
+    if any(v.keys() != keys for v in values[1:]):
+        raise _mismatch(path, "keys", [list(v.keys()) for v in values])
+    data = {k: _gather([v[k] for v in values], (path, "[", k), ctx) for k in keys}
+    if not dataclasses.is_dataclass(first):
+        return _rebuild_mapping(first, data, path)
+    extra = _gather_fields(values, path, ctx, [n for n in _fields(type(first)) if n not in data])
+    return _rebuild_dataclass(first, extra, data, path)
+
+
+def _gather_fields(
+    values: list[Any], path: _Path, ctx: _Ctx, names: Iterable[str]
+) -> list[tuple[str, Any]]:
+    return [(n, _gather([getattr(v, n) for v in values], (path, ".", n), ctx)) for n in names]
+
+
+def _gather_dataclasses(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Rule 5 for dataclasses (frozen ones and init=False fields included)."""
+    return _rebuild_dataclass(
+        values[0], _gather_fields(values, path, ctx, _fields(type(values[0])))
+    )
+
+
+_HANDLERS: tuple[Callable[[list[Any], _Path, _Ctx], Any], ...] = (
+    _gather_others,  # _NONE
+    _gather_arrays,  # _TENSOR
+    _gather_arrays,  # _ARRAY
+    _gather_scalars,  # _BOOL
+    _gather_scalars,  # _NUMBER
+    _gather_lists,  # _LIST
+    _gather_tuples,  # _TUPLE
+    _gather_tuples,  # _NAMEDTUPLE
+    _gather_mappings,  # _MAPPING
+    _gather_dataclasses,  # _DATACLASS
+    _gather_mappings,  # _RECORD
+    _gather_others,  # _OTHER
+)
+
+
+# ---------------------------------------------------------------- moving and rebuilding
+
+
+def _to_target(obj: Any, target: torch.device, path: _Path) -> Any:
+    """``obj`` with every tensor in it moved to ``target``; unchanged containers are reused."""
+    kind = _kind(obj)
+    if kind == _TENSOR:
+        return obj.to(target)
+    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+        items = [_to_target(item, target, path) for item in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return _rebuild_seq(obj, items, path)
+    if kind in (_MAPPING, _RECORD):
+        data = {k: _to_target(v, target, path) for k, v in obj.items()}
+        names = [n for n in _fields(type(obj)) if n not in data] if kind == _RECORD else []
+        extra = [(n, _to_target(getattr(obj, n), target, path)) for n in names]
+        if all(v is obj[k] for k, v in data.items()) and all(
+            v is getattr(obj, n) for n, v in extra
+        ):
+            return obj
+        if kind == _RECORD:
+            return _rebuild_dataclass(obj, extra, data, path)
+        return _rebuild_mapping(obj, data, path)
+    if kind == _DATACLASS:
+        fields = [(n, getattr(obj, n)) for n in _fields(type(obj))]
+        moved = [(n, _to_target(v, target, path)) for n, v in fields]
+        if all(a[1] is b[1] for a, b in zip(fields, moved, strict=True)):
+            return obj
+        return _rebuild_dataclass(obj, moved)
+    return obj
+
+
+def _cannot_rebuild(first: Any, path: _Path, exc: Exception) -> TypeError:
+    return TypeError(
+        f"{_fmt(path)}: cannot rebuild a {type(first).__name__} from the gathered items "
+        f"({exc}); expected a class that accepts its items like its base class does. Return a "
+        f"plain list, tuple or dict, or use gather=False"
+    )
+
+
+def _rebuild_seq(first: Any, items: list[Any], path: _Path) -> Any:
+    cls = type(first)
+    if cls is list or cls is tuple:
+        return items if cls is list else tuple(items)
+    try:  # a namedtuple takes its fields positionally, other sequences an iterable
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    except Exception as exc:
+        raise _cannot_rebuild(first, path, exc) from exc
+
+
+def _rebuild_mapping(first: Mapping[Any, Any], data: dict[Any, Any], path: _Path) -> Any:
+    cls: Any = type(first)
+    if cls is dict:
+        return data
+    try:
+        if isinstance(first, defaultdict):
+            return cls(first.default_factory, data)
+        return cls(data)
+    except Exception as exc:
+        raise _cannot_rebuild(first, path, exc) from exc
+
+
+def _rebuild_dataclass(
+    first: Any,
+    fields: list[tuple[str, Any]],
+    items: dict[Any, Any] | None = None,
+    path: _Path = None,
+) -> Any:
+    """A copy of ``first`` with new fields (and, for a model-output class, new items).
+
+    copy.copy skips __init__ (init=False fields, __post_init__); object.__setattr__ passes
+    frozen dataclasses.
+    """
+    out = copy.copy(first)
+    for name, value in fields:
+        object.__setattr__(out, name, value)
+    if items:
+        names = _fields(type(first))
+        try:
+            for key, value in items.items():
+                if key in names:
+                    object.__setattr__(out, key, value)
+                if isinstance(out, dict):
+                    dict.__setitem__(out, key, value)  # past overrides such as ModelOutput's
+                else:
+                    out[key] = value
+        except Exception as exc:
+            raise _cannot_rebuild(first, path, exc) from exc
+    return out

@@ -1,0 +1,379 @@
+"""Run each replica on its device, on a process-wide pool of long-lived worker threads.
+
+``torch.nn.parallel.parallel_apply`` starts one thread per replica on every call. Here each
+(device, replica slot) has one daemon worker thread, named ``dataparallel-<device>-<slot>``
+(``dataparallel-cpu-0``, ``dataparallel-cuda:1-0``), created on first use and reused by every
+later call from any caller; a call costs one queue put and one ``Event`` wait per replica. With a
+single replica the module runs inline in the calling thread.
+
+Each task replays the caller's context in its worker:
+
+- grad mode (``torch.is_grad_enabled()``);
+- autocast: the state (enabled, dtype) for the replica's device type, and the CPU autocast
+  state too when the device is not the CPU;
+- on CUDA, the device (``torch.cuda.device``) and a stream: the first replica on a device runs
+  on the caller's current stream of that device, as in torch. A device listed again (``[0, 0]``)
+  gets one pool-owned side stream per extra slot, so replicas on one GPU overlap: the side
+  stream first waits for the caller's stream (inputs are ready), and the caller's stream then
+  waits for the side stream (outputs are ready before the caller uses them).
+
+A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
+replicas inline, one after another, instead of waiting on the pool it is part of.
+
+An exception in a replica is re-raised in the caller after every replica has finished, with the
+same type where it can be built from one message, naming the replica, its device and its input
+shapes, and chained from the original (whose traceback shows). Workers survive every error,
+``KeyboardInterrupt`` included, so the next call uses the same threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from dataparallel.devices import DeviceSpec, resolve_devices
+
+__all__ = ["describe_inputs", "parallel_apply"]
+
+THREAD_PREFIX = "dataparallel-"
+
+_local = threading.local()  # .in_worker: set in pool threads (nested calls run inline)
+_pool_lock = threading.Lock()
+_workers: dict[tuple[str, int], _Worker] = {}
+_side_streams: dict[tuple[str, int], Any] = {}
+_pool_pid = os.getpid()
+
+
+# -- context capture and replay ---------------------------------------------------------------
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of the caller's autocast for ``device_type``, on torch 2.1 and later."""
+    try:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        if device_type == "cuda":
+            return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+        return False, torch.float32
+
+
+class _Task:
+    """One replica's work and its result; ``done`` is set by whoever ran it."""
+
+    __slots__ = (
+        "args",
+        "autocast",
+        "cancelled",
+        "device",
+        "done",
+        "error",
+        "grad",
+        "kwargs",
+        "module",
+        "result",
+        "seconds",
+        "side",
+        "stream",
+        "sync",
+    )
+
+    def __init__(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        device: torch.device,
+        grad: bool,
+        autocast: list[tuple[str, torch.dtype, bool]],
+        stream: Any,
+        side: Any,
+        sync: bool,
+    ) -> None:
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self.device = device
+        self.grad = grad
+        self.autocast = autocast
+        self.stream = stream  # the caller's current stream on a CUDA device, else None
+        self.side = side  # a pool side stream for a repeated CUDA device, else None
+        self.sync = sync  # wait for the device before stopping the clock (timings)
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.cancelled = False
+        self.done = threading.Event()
+
+
+def _execute(task: _Task) -> None:
+    """Run one task with the caller's context; never raises (errors are stored)."""
+    start = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(task.grad))
+            for device_type, dtype, enabled in task.autocast:
+                if enabled:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if task.stream is not None:
+                stack.enter_context(torch.cuda.device(task.device))
+                stream = task.stream
+                if task.side is not None:
+                    task.side.wait_stream(task.stream)
+                    stream = task.side
+                stack.enter_context(torch.cuda.stream(stream))
+            try:
+                task.result = task.module(*task.args, **task.kwargs)
+            finally:
+                if task.side is not None:
+                    task.stream.wait_stream(task.side)
+            if task.sync and task.stream is not None:
+                (task.side or task.stream).synchronize()
+    except BaseException as exc:  # KeyboardInterrupt too: the worker must live
+        task.error = exc
+    finally:
+        task.seconds = time.perf_counter() - start
+
+
+class _Worker:
+    """A daemon thread that runs tasks from its queue, forever."""
+
+    def __init__(self, name: str) -> None:
+        self.tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        _local.in_worker = True
+        while True:
+            task = self.tasks.get()
+            try:
+                if not task.cancelled:
+                    _execute(task)
+            finally:
+                task.done.set()
+                del task  # drop the module and outputs before blocking again
+
+
+def _worker(device: torch.device, slot: int) -> _Worker:
+    global _pool_pid
+    key = (str(device), slot)
+    worker = _workers.get(key)
+    if worker is not None and _pool_pid == os.getpid():
+        return worker
+    with _pool_lock:
+        if _pool_pid != os.getpid():  # a forked child inherits the table but not the threads
+            _workers.clear()
+            _side_streams.clear()
+            _pool_pid = os.getpid()
+        worker = _workers.get(key)
+        if worker is None:
+            worker = _workers[key] = _Worker(f"{THREAD_PREFIX}{key[0]}-{slot}")
+        return worker
+
+
+def _side_stream(device: torch.device, slot: int) -> Any:
+    key = (str(device), slot)
+    stream = _side_streams.get(key)
+    if stream is None:
+        with _pool_lock:
+            stream = _side_streams.get(key)
+            if stream is None:
+                stream = _side_streams[key] = torch.cuda.Stream(device)
+    return stream
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor[{', '.join(str(s) for s in value.shape)}]"
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple) and not isinstance(value, type):
+        return f"{type(value).__name__}[{', '.join(str(s) for s in shape)}]"
+    if isinstance(value, (list, tuple, dict)) or (
+        isinstance(value, (Sequence, Mapping)) and not isinstance(value, (str, bytes))
+    ):
+        return f"{type(value).__name__}[{len(value)}]"
+    return type(value).__name__
+
+
+def describe_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str:
+    """A short description of one replica's arguments: ``(Tensor[5, 3], list[2], k=int)``.
+
+    >>> describe_inputs((torch.zeros(5, 3), [1, 2]), {"k": 3})
+    '(Tensor[5, 3], list[2], k=int)'
+    """
+    parts = [_describe(a) for a in args]
+    parts += [f"{k}={_describe(v)}" for k, v in (kwargs or {}).items()]
+    return f"({', '.join(parts)})"
+
+
+def _reraise(tasks: list[_Task]) -> None:
+    failed = [i for i, t in enumerate(tasks) if t.error is not None]
+    if not failed:
+        return
+    i = failed[0]
+    task = tasks[i]
+    original = cast(BaseException, task.error)
+    others = f" (replicas {failed[1:]} failed too)" if len(failed) > 1 else ""
+    message = (
+        f"replica {i} on {task.device}, inputs {describe_inputs(task.args, task.kwargs)}: "
+        f"{original}{others}"
+    )
+    try:
+        error = type(original)(message)
+    except Exception:  # a type that needs more than one argument
+        error = RuntimeError(f"{type(original).__name__}: {message}")
+    raise error from original
+
+
+# -- the public function ----------------------------------------------------------------------
+
+
+def _infer_device(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> torch.device:
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return item.device
+        if isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+        elif isinstance(item, Mapping):
+            stack[:0] = list(item.values())
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    for value in module.__dict__.values():  # a replica keeps its parameters as plain attributes
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def parallel_apply(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[Mapping[str, Any]] | None = None,
+    devices: Sequence[DeviceSpec] | None = None,
+    *,
+    timings: list[float] | None = None,
+) -> list[Any]:
+    """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]``, in
+    parallel.
+
+    Args:
+        modules: one module (replica) per device.
+        inputs: one entry per module: a ``tuple`` is unpacked as positional arguments; anything
+            else (a tensor, a per-sample list chunk) is passed as the single argument.
+        kwargs_tup: one keyword-argument mapping per module, or ``None``.
+        devices: one device spec per module; ``None`` infers each from its first input tensor
+            (else the module's first tensor, else the CPU).
+        timings: if a list is given, it is filled with each replica's wall-clock seconds (on
+            CUDA the clock stops after the replica's stream has finished).
+
+    Returns:
+        The outputs, in the order of ``modules``.
+
+    Raises:
+        ValueError: the argument lengths disagree, or a device spec is not usable.
+        Exception: the first failing replica's error, with the same type where possible (else
+            ``RuntimeError``), chained from the original.
+
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> chunks = [torch.ones(2, 3), (torch.ones(1, 3),)]
+    >>> outs = parallel_apply([lin, lin], chunks, devices=["cpu", "cpu"])
+    >>> [tuple(o.shape) for o in outs]
+    [(2, 2), (1, 2)]
+    """
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(
+            f"inputs: expected one entry per module ({n}), got {len(inputs)}; pass the "
+            f"result of scatter for the same devices"
+        )
+    if kwargs_tup is None:
+        kwargs_tup = [{}] * n
+    elif len(kwargs_tup) != n:
+        raise ValueError(
+            f"kwargs_tup: expected one mapping per module ({n}), got {len(kwargs_tup)}; pass "
+            f"None or the kwargs from scatter_kwargs for the same devices"
+        )
+    argses = [x if isinstance(x, tuple) else (x,) for x in inputs]
+    if devices is None:
+        resolved = [
+            _infer_device(m, a, k) for m, a, k in zip(modules, argses, kwargs_tup, strict=True)
+        ]
+    else:
+        if len(devices) != n:
+            raise ValueError(
+                f"devices: expected one device per module ({n}), got {len(devices)}; pass the "
+                f"devices the replicas were made for"
+            )
+        resolved = resolve_devices(devices, where="devices")
+    if n == 0:
+        if timings is not None:
+            timings.clear()
+        return []
+
+    grad = torch.is_grad_enabled()
+    states: dict[str, list[tuple[str, torch.dtype, bool]]] = {}
+    tasks: list[_Task] = []
+    worker_slots: list[int] = []  # the k-th replica on a device runs on that device's slot k
+    slots: dict[torch.device, int] = {}
+    for module, args, kwargs, device in zip(modules, argses, kwargs_tup, resolved, strict=True):
+        slot = slots.get(device, 0)
+        slots[device] = slot + 1
+        autocast = states.get(device.type)
+        if autocast is None:
+            autocast = states[device.type] = []
+            for device_type in dict.fromkeys([device.type, "cpu"]):
+                enabled, dtype = _autocast_state(device_type)
+                autocast.append((device_type, dtype, enabled))
+        stream = side = None
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            if slot > 0 and n > 1:
+                side = _side_stream(device, slot)
+        tasks.append(
+            _Task(module, args, kwargs, device, grad, autocast, stream, side, timings is not None)
+        )
+        worker_slots.append(slot)
+
+    if n == 1 or getattr(_local, "in_worker", False):
+        # One replica: no hop is cheaper. Inside a worker: never wait on our own pool.
+        for task in tasks:
+            _execute(task)
+    else:
+        _run_on_pool(tasks, worker_slots)
+
+    if timings is not None:
+        timings[:] = [t.seconds for t in tasks]
+    _reraise(tasks)
+    return [t.result for t in tasks]
+
+
+def _run_on_pool(tasks: list[_Task], slots: list[int]) -> None:
+    submitted = 0
+    try:
+        for task, slot in zip(tasks, slots, strict=True):
+            _worker(task.device, slot).tasks.put(task)
+            submitted += 1
+        for task in tasks:
+            task.done.wait()
+    except BaseException:
+        # Interrupted while submitting or waiting (Ctrl-C): tasks not yet started are skipped,
+        # running ones finish on their own; every worker stays free for the next call.
+        for task in tasks[:submitted]:
+            task.cancelled = True
+        raise

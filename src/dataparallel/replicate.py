@@ -1,0 +1,461 @@
+"""Replicate a module onto devices, once, and keep the replicas in step with it.
+
+``torch.nn.parallel.replicate`` rebuilds every replica on every forward: one Python object per
+submodule per device, a ``__dict__`` copy each, and a broadcast of every parameter even when
+nothing changed. Here the replica objects are built once per (module, devices) and kept in a
+side table keyed weakly on the module; each call only re-syncs what can change between calls:
+
+- plain attributes and training flags: each replica's ``__dict__`` is refilled from its source
+  module's ``__dict__`` (so ``model.scale = 3.0`` or ``model.eval()`` is seen at once);
+- parameters: a replica on a parameter's own device uses the parameter itself (no copy, the
+  gradient lands on it directly). On another device, under autograd (grad enabled and some
+  parameter requires grad), every call makes fresh differentiable copies (torch's
+  ``Broadcast`` between CUDA devices, ``param.to(device)`` otherwise), so gradients flow back
+  to the module's own parameters. In inference a copy is remade only when its parameter
+  changed, judged by ``data_ptr()`` and ``_version`` (in-place changes made through
+  ``param.data`` escape ``_version``: call :func:`clear_replica_cache` after those);
+- buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
+  running statistics update exactly as in torch, from replica 0's chunk; every other replica
+  has private copies, re-synced with ``copy_`` each call, so no two threads write one tensor.
+
+A structural change (a submodule added or replaced, a parameter replaced, a hook added, a shape,
+dtype or device changed, e.g. by ``.to(torch.float64)``) is caught by a cheap fingerprint taken
+on every call and rebuilds the replicas. Replicas never register the module as a child and do
+not expose parameters (``replica.parameters()`` is empty, as in torch), so they never appear in
+``module.state_dict()``. The side table holds the root module only weakly; a module whose hooks
+or attributes refer back to it (a hook that is one of its bound methods, say) is not cached, as
+the table would then keep it alive: it gets fresh replicas on every call, as in torch.
+
+Replicas are shared by every caller of ``replicate(module, devices)``: two threads running the
+same module on the same devices at once should use :func:`fresh_replicate`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataparallel.devices import DeviceSpec, resolve_devices
+
+__all__ = ["clear_replica_cache", "fresh_replicate", "replicate"]
+
+# Keys of a module's __dict__ that a replica owns itself (everything else is mirrored).
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_BASE_REPLICATE = nn.Module._replicate_for_data_parallel
+_BASE_SETATTR = nn.Module.__setattr__
+
+_LOCK = threading.RLock()
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[torch.device, ...], _Replicas]] = (
+    weakref.WeakKeyDictionary()
+)
+
+_Key = tuple[str, int]
+
+
+def _key(device: torch.device) -> _Key:
+    # "mps" and "mps:0" are one device; resolved CUDA devices always carry an index.
+    return (device.type, device.index or 0)
+
+
+def _fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
+    """The module tree (preorder, without repeats) and what defines its structure.
+
+    Ids stand for objects: the replica set keeps every submodule and parameter alive, so an id
+    cannot be reused while the set exists.
+    """
+    modules: list[nn.Module] = []
+    seen: set[int] = set()
+    sig: list[Any] = []
+    add, extend = sig.append, sig.extend
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        modules.append(module)
+        d = module.__dict__
+        # Hook counts: a new hook re-runs the self-reference check of a rebuild.
+        add((type(module), id(module), *[len(d.get(h, ())) for h in _HOOK_DICTS]))
+        children = d["_modules"]
+        for name, child in children.items():
+            extend((name, None if child is None else id(child)))
+        for name, p in d["_parameters"].items():
+            extend((name, None) if p is None else (name, id(p), p.shape, p.dtype, p.device))
+        for name, b in d["_buffers"].items():
+            extend((name, None) if b is None else (name, b.shape, b.dtype, b.device))
+        add(0)  # end of this module
+        stack.extend(c for c in reversed(children.values()) if c is not None)
+    return modules, sig
+
+
+def _mentions(obj: Any, root: nn.Module, depth: int = 3) -> bool:
+    """Whether ``obj`` refers to ``root`` within a few hops (bound methods, closures, partials,
+    containers). Used to keep self-referencing modules out of the side table."""
+    if obj is root:
+        return True
+    if depth == 0 or isinstance(obj, (torch.Tensor, nn.Module, str, bytes, int, float, type)):
+        return False
+    if isinstance(obj, types.MethodType):
+        return _mentions(obj.__self__, root, depth - 1)
+    if isinstance(obj, functools.partial):
+        items: list[Any] = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, types.FunctionType):
+        items = [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        return False
+    return any(_mentions(item, root, depth - 1) for item in items)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _self_referencing(modules: list[nn.Module]) -> bool:
+    root = modules[0]
+    for module in modules:
+        for name, value in module.__dict__.items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            if _mentions(value, root):
+                return True
+    return False
+
+
+class _Replicas:
+    """The replica objects of one module on one device tuple, and what re-syncs them.
+
+    Holds the root module only weakly (it is the side table's key); every other source module,
+    parameter and buffer strongly, which keeps the fingerprint's ids valid.
+    """
+
+    def __init__(self, root: nn.Module, devices: tuple[torch.device, ...]) -> None:
+        modules, sig = _fingerprint(root)
+        self.sig = sig
+        self.sources: list[nn.Module | None] = [None, *modules[1:]]
+        self.devices = devices
+        self.keys = [_key(d) for d in devices]
+        index = {id(m): i for i, m in enumerate(modules)}
+        n = len(devices)
+
+        # Parameters and buffers, deduplicated (tied weights get one copy per device).
+        self.params: list[nn.Parameter] = []
+        param_index: dict[int, int] = {}
+        self.buffers: list[torch.Tensor] = []
+        buffer_index: dict[int, int] = {}
+        # Per module: (name, slot) pairs, and names that hold None.
+        self.param_slots: list[list[tuple[str, int]]] = []
+        self.buffer_slots: list[list[tuple[str, int]]] = []
+        self.none_params: list[tuple[str, ...]] = []
+        self.none_buffers: list[tuple[str, ...]] = []
+        for module in modules:
+            slots = []
+            for name, p in module._parameters.items():
+                if p is not None:
+                    slots.append((name, param_index.setdefault(id(p), len(self.params))))
+                    if slots[-1][1] == len(self.params):
+                        self.params.append(p)
+            self.param_slots.append(slots)
+            self.none_params.append(tuple(k for k, v in module._parameters.items() if v is None))
+            bslots = []
+            for name, b in module._buffers.items():
+                if b is not None:
+                    bslots.append((name, buffer_index.setdefault(id(b), len(self.buffers))))
+                    if bslots[-1][1] == len(self.buffers):
+                        self.buffers.append(b)
+            self.buffer_slots.append(bslots)
+            self.none_buffers.append(tuple(k for k, v in module._buffers.items() if v is None))
+
+        # Custom replication hooks (RNN's flat weights, fx.GraphModule) or a custom __setattr__
+        # are honoured on every sync; plain modules take the fast dictionary path.
+        self.custom = [
+            type(m)._replicate_for_data_parallel is not _BASE_REPLICATE
+            or type(m).__setattr__ is not _BASE_SETATTR
+            for m in modules
+        ]
+        # Raises torch's own error for lazy modules, as torch.nn.parallel.replicate does.
+        self.replicas = [[m._replicate_for_data_parallel() for m in modules] for _ in range(n)]
+        self.children: list[list[dict[str, nn.Module | None]]] = [
+            [
+                {
+                    k: None if c is None else self.replicas[j][index[id(c)]]
+                    for k, c in m._modules.items()
+                }
+                for m in modules
+            ]
+            for j in range(n)
+        ]
+        # Private buffers: None where replica j uses the module's own tensor (replica 0 on
+        # the buffer's device), else a copy on replica j's device.
+        self.private: list[list[torch.Tensor | None]] = []
+        for j, device in enumerate(devices):
+            row: list[torch.Tensor | None] = []
+            for b in self.buffers:
+                if j == 0 and _key(b.device) == self.keys[0]:
+                    row.append(None)
+                else:
+                    with torch.no_grad():
+                        row.append(b.detach().to(device, copy=True))
+            self.private.append(row)
+        # Parameter copies per target device key: tensors aligned with self.params (None where
+        # the parameter lives on that device) and the (data_ptr, _version) they were made from.
+        self.copies: dict[_Key, list[torch.Tensor | None]] = {}
+        self.copy_keys: dict[_Key, list[tuple[int, int] | None]] = {}
+        for k in dict.fromkeys(self.keys):
+            self.copies[k] = [None] * len(self.params)
+            self.copy_keys[k] = [None] * len(self.params)
+        # Devices are part of the fingerprint, so which copies exist is fixed per set.
+        self.param_keys = [_key(p.device) for p in self.params]
+        self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def _sync_params(self) -> list[list[torch.Tensor]]:
+        """Per device key, per parameter slot: the tensor a replica on that device uses."""
+        params, targets = self.params, self.targets
+        if not targets:  # every replica sits on its parameters' devices: share them all
+            return [params] * len(self.keys)  # type: ignore[list-item]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            self._copy_differentiable(targets)
+        else:
+            self._copy_changed(targets)
+        views: dict[_Key, list[torch.Tensor]] = {}
+        for k, copies in self.copies.items():
+            views[k] = [
+                p if pk == k or c is None else c
+                for p, pk, c in zip(params, self.param_keys, copies, strict=True)
+            ]
+        return [views[k] for k in self.keys]
+
+    def _copy_differentiable(self, targets: list[_Key]) -> None:
+        params = self.params
+        by_source: dict[_Key, list[int]] = {}
+        for i, pk in enumerate(self.param_keys):
+            by_source.setdefault(pk, []).append(i)
+        for source, slots in by_source.items():
+            dests = [k for k in targets if k != source]
+            if not dests:
+                continue
+            if source[0] == "cuda" and all(k[0] == "cuda" for k in dests):
+                from torch.nn.parallel._functions import Broadcast
+
+                # One coalesced, differentiable broadcast; its backward is a reduce-add onto
+                # the source device, as in torch.nn.parallel.replicate.
+                indices = [source[1], *(k[1] for k in dests)]
+                out = Broadcast.apply(indices, *(params[i] for i in slots))
+                n = len(slots)
+                for d, k in enumerate(dests, start=1):
+                    for s, i in enumerate(slots):
+                        self.copies[k][i] = out[d * n + s]
+                        self.copy_keys[k][i] = None  # graph-bound: never reused
+            else:
+                for k in dests:
+                    device = torch.device(*k)
+                    for i in slots:
+                        self.copies[k][i] = params[i].to(device)
+                        self.copy_keys[k][i] = None
+
+    def _copy_changed(self, targets: list[_Key]) -> None:
+        with torch.no_grad():
+            for k in targets:
+                copies, keys = self.copies[k], self.copy_keys[k]
+                device = torch.device(*k)
+                for i, (p, pk) in enumerate(zip(self.params, self.param_keys, strict=True)):
+                    if pk == k:
+                        continue
+                    stamp = (p.data_ptr(), p._version)
+                    if keys[i] != stamp or copies[i] is None:
+                        copies[i] = p.detach().to(device, copy=True)
+                        keys[i] = stamp
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _current_buffers(self, root: nn.Module) -> list[torch.Tensor]:
+        """The module's buffers now: one may have been reassigned (same shape) since the build."""
+        current = list(self.buffers)
+        for i, slots in enumerate(self.buffer_slots):
+            if slots:
+                bufs = (root if i == 0 else self._source(i))._buffers
+                for name, slot in slots:
+                    current[slot] = bufs[name]  # type: ignore[assignment]
+        return current
+
+    def _source(self, i: int) -> nn.Module:
+        return self.sources[i]  # type: ignore[return-value]
+
+    def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
+        grad = torch.is_grad_enabled()
+        for j, device in enumerate(self.devices):
+            row = self.private[j]
+            for i, b in enumerate(buffers):
+                mine = row[i]
+                if mine is None:
+                    continue
+                if grad and b.requires_grad:
+                    # Differentiable, as torch broadcasts buffers that require grad.
+                    row[i] = b.to(device) if _key(b.device) != self.keys[j] else b.clone()
+                    continue
+                # Always: BatchNorm updates running stats without bumping _version, so no
+                # cheap test can tell that either side changed.
+                with torch.no_grad():
+                    mine.copy_(b)
+
+    # -- the whole sync ---------------------------------------------------------------------
+
+    def sync(self, root: nn.Module) -> list[nn.Module]:
+        """Bring every replica in line with the module's current state; return the roots."""
+        per_device = self._sync_params()
+        buffers = self._current_buffers(root)
+        self._sync_buffers(buffers)
+        sources: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
+        for j in range(len(self.devices)):
+            tensors = per_device[j]
+            private = self.private[j]
+            children = self.children[j]
+            for i, rep in enumerate(self.replicas[j]):
+                src = sources[i]
+                custom = self.custom[i]
+                d = rep.__dict__
+                d.clear()
+                # Plain attributes, training flags and hooks: mirrored from the source.
+                d.update(src._replicate_for_data_parallel().__dict__ if custom else src.__dict__)
+                none_params = self.none_params[i]
+                d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+                d["_modules"] = dict(children[i])
+                d["_is_replica"] = True
+                bslots = self.buffer_slots[i]
+                if bslots or self.none_buffers[i]:
+                    bufs: dict[str, torch.Tensor | None] = dict.fromkeys(self.none_buffers[i])
+                    for name, slot in bslots:
+                        mine = private[slot]
+                        bufs[name] = buffers[slot] if mine is None else mine
+                    d["_buffers"] = bufs
+                else:
+                    d["_buffers"] = {}
+                pslots = self.param_slots[i]
+                attrs: OrderedDict[str, torch.Tensor] = OrderedDict()
+                for name, slot in pslots:
+                    attrs[name] = tensors[slot]
+                # torch exposes the copies here for DDP (#33907); harmless elsewhere.
+                d["_former_parameters"] = attrs
+                if pslots:
+                    if custom:
+                        for name, value in attrs.items():
+                            setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
+                        # setattr registers a same-device Parameter: keep replicas free of them.
+                        d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+                    d.update(attrs)
+        return [reps[0] for reps in self.replicas]
+
+
+def _is_scripted(modules: list[nn.Module]) -> bool:
+    return any(isinstance(m, torch.jit.ScriptModule) for m in modules)
+
+
+def _replicate_scripted(module: nn.Module, devices: tuple[torch.device, ...]) -> list[nn.Module]:
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(
+            f"devices: a TorchScript module can only be replicated onto CUDA devices, got "
+            f"{[str(d) for d in devices]!r}; pass CUDA devices or the eager (unscripted) module"
+        )
+    from torch.nn.parallel.replicate import replicate as torch_replicate
+
+    detach = not torch.is_grad_enabled()
+    return list(torch_replicate(module, [d.index or 0 for d in devices], detach=detach))
+
+
+def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> tuple[torch.device, ...]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    return tuple(resolve_devices(devices, where="devices"))
+
+
+def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
+    """One replica of ``module`` per entry of ``devices``, cached and re-synced on each call.
+
+    The second call with an unchanged module returns the same replica objects; their state
+    (training flags, parameters, buffers, plain attributes) always mirrors the module's.
+    Gradients of the replicas' outputs flow back into the module's own parameters.
+
+    Args:
+        module: the module to replicate; it is never modified.
+        devices: device specs, one per replica; repeats are allowed (``["cpu", "cpu"]``,
+            ``[0, 0]``).
+
+    Returns:
+        The replicas, in the order of ``devices``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: a device spec is not usable.
+
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> a, b = replicate(lin, ["cpu", "cpu"])
+    >>> a.weight is lin.weight and replicate(lin, ["cpu", "cpu"])[1] is b
+    True
+    """
+    resolved = _prepare(module, devices)
+    try:
+        hash(module)
+    except TypeError:  # a module class that defines __eq__ without __hash__: no cache
+        return fresh_replicate(module, resolved)
+    with _LOCK:
+        table = _CACHE.get(module)
+        entry = None if table is None else table.get(resolved)
+        if entry is not None:
+            _, sig = _fingerprint(module)
+            if sig != entry.sig:
+                entry = None
+                del table[resolved]  # type: ignore[union-attr]
+        if entry is None:
+            modules, _ = _fingerprint(module)
+            if _is_scripted(modules):
+                return _replicate_scripted(module, resolved)
+            entry = _Replicas(module, resolved)
+            if _self_referencing(modules):
+                # The table would keep the module alive through its own replicas.
+                return entry.sync(module)
+            _CACHE.setdefault(module, {})[resolved] = entry
+        return entry.sync(module)
+
+
+def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
+    """Replicas built from scratch, bypassing the cache (torch's cost model).
+
+    Same semantics as :func:`replicate`: the benchmark's baseline, and an escape hatch for a
+    module run from several threads at once.
+    """
+    resolved = _prepare(module, devices)
+    modules, _ = _fingerprint(module)
+    if _is_scripted(modules):
+        return _replicate_scripted(module, resolved)
+    return _Replicas(module, resolved).sync(module)
+
+
+def clear_replica_cache(module: nn.Module | None = None) -> None:
+    """Forget cached replicas of ``module`` (all modules when ``None``); the next call rebuilds.
+
+    Needed only after changes the cheap checks cannot see, such as writing a parameter through
+    ``param.data`` in inference.
+    """
+    with _LOCK:
+        if module is None:
+            _CACHE.clear()
+        else:
+            _CACHE.pop(module, None)

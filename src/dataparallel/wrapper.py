@@ -1,0 +1,375 @@
+"""``DataParallel``, ``data_parallel`` and ``DataParallelCriterion``: the pipeline composed.
+
+``DataParallel.forward`` reads as torch's: scatter, replicate, parallel_apply, gather, each an
+overridable method with torch's signature, so subclasses written for
+``torch.nn.DataParallel`` keep working. What differs is inside: the batch rules of
+``dataparallel.plan``, cached replicas, a persistent worker pool, waves under ``max_size``, and
+a gather that knows each replica's chunk size.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from dataparallel.devices import DeviceSpec, resolve_devices, target_device
+from dataparallel.gather import ScalarMode, gather
+from dataparallel.parallel_apply import parallel_apply
+from dataparallel.plan import Plan, build_plan
+from dataparallel.replicate import replicate
+from dataparallel.scatter import take
+
+__all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
+
+_SCALARS = ("mean", "sum", "stack")
+
+
+@dataclass(frozen=True)
+class CallStats:
+    """The load of the last call: one row per chunk (device, samples, seconds).
+
+    A replica that takes much longer than the others for the same samples is a slow device;
+    ``weights=`` or ``chunk_sizes=`` can even the load out.
+    """
+
+    devices: list[str]
+    chunk_sizes: list[int]
+    seconds: list[float]
+    waves: int = 1
+
+    def __str__(self) -> str:
+        rows = [("replica", "device", "samples", "ms", "samples/s")]
+        for i, (dev, size, sec) in enumerate(
+            zip(self.devices, self.chunk_sizes, self.seconds, strict=True)
+        ):
+            rate = f"{size / sec:,.0f}" if sec > 0 else "-"
+            rows.append((str(i), dev, str(size), f"{sec * 1e3:.2f}", rate))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        if self.waves > 1:
+            lines.append(f"({self.waves} waves)")
+        return "\n".join(lines)
+
+
+class DeviceOutputs(list[Any]):
+    """The per-device outputs of a ``gather=False`` call, in batch order.
+
+    A list (one output per chunk) that also carries ``devices`` and ``chunk_sizes``, so that
+    ``DataParallelCriterion`` or your own code can finish the work on each device.
+    """
+
+    def __init__(
+        self, outputs: Sequence[Any], devices: Sequence[torch.device], chunk_sizes: Sequence[int]
+    ) -> None:
+        super().__init__(outputs)
+        self.devices = list(devices)
+        self.chunk_sizes = list(chunk_sizes)
+
+
+def _check_scalars(scalars: str) -> ScalarMode:
+    if scalars not in _SCALARS:
+        raise ValueError(f"scalars: expected one of {list(_SCALARS)}, got {scalars!r}")
+    return cast(ScalarMode, scalars)
+
+
+class DataParallel(nn.Module):
+    """Run ``module`` over several devices on one batch, split by the batch rules.
+
+    A drop-in for ``torch.nn.DataParallel``: same positional arguments, ``.module``, state_dict
+    keys ``module.*`` and overridable ``scatter``, ``replicate``, ``parallel_apply`` and
+    ``gather``. It also runs on CPU device lists, splits per-sample lists, never drops samples,
+    and reuses its replicas between calls.
+
+    Args:
+        module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
+        device_ids: device specs (``[0, 1]``, ``["cpu", "cpu"]``, ``[0, 0]``); ``None`` means
+            every visible CUDA device, else the CPU.
+        output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
+            ``device_ids[0]``.
+        dim: the batch dimension.
+        chunk_sizes, weights, max_size, dtype, strict: the batch options of ``dp.plan``;
+            ``max_size`` runs a large batch in waves.
+        scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
+            ``"stack"``.
+        gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
+
+    >>> import torch, dataparallel as dp
+    >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
+    >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
+    (torch.Size([10, 2]), [4, 3, 3])
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
+        output_device: DeviceSpec | None = None,
+        dim: int = 0,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
+        max_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        strict: bool = False,
+        scalars: str = "mean",
+        gather: bool = True,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.device_ids: list[torch.device] = resolve_devices(device_ids)
+        self.output_device = (
+            self.device_ids[0]
+            if output_device is None
+            else target_device(output_device, where="output_device")
+        )
+        self.src_device_obj = self.device_ids[0]
+        self.dim = dim
+        self.options: dict[str, Any] = {
+            "chunk_sizes": chunk_sizes,
+            "weights": weights,
+            "max_size": max_size,
+            "dtype": dtype,
+            "strict": strict,
+        }
+        # Validate the options once, now, rather than at the first call.
+        build_plan(
+            (), None, self.device_ids, dim, batch_size=_probe_batch(chunk_sizes), **self.options
+        )
+        self.scalars = _check_scalars(scalars)
+        self.gather_outputs = gather
+        self.last_call: CallStats | None = None
+        self._warned: set[tuple[str, ...]] = set()
+
+    # -- the pipeline -------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Scatter the batch, replicate the module, run the replicas, gather their outputs."""
+        self._check_module_device()
+        plan = self.explain(*inputs, **kwargs)
+        self._warn_once(plan)
+        outputs: list[Any] = []
+        devices: list[torch.device] = []
+        sizes: list[int] = []
+        seconds: list[float] = []
+        for wave in plan.slices:
+            wave_devices = [device for device, _, _ in wave]
+            wave_inputs, wave_kwargs = self._scatter_wave(inputs, kwargs, plan, wave)
+            timings: list[float] = []
+            if len(wave) == 1 and wave_devices[0] == self.src_device_obj:
+                # One chunk on the module's own device: the module is its own replica.
+                start = time.perf_counter()
+                wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
+                timings.append(time.perf_counter() - start)
+            else:
+                replicas = self.replicate(self.module, wave_devices)
+                wave_outputs = self._parallel_apply(
+                    replicas, wave_inputs, wave_kwargs, wave_devices, timings
+                )
+            outputs.extend(wave_outputs)
+            devices.extend(wave_devices)
+            sizes.extend(length for _, _, length in wave[: len(wave_outputs)])
+            seconds.extend(timings or [float("nan")] * len(wave))
+        self.last_call = CallStats(
+            [str(d) for d in devices], sizes, seconds, waves=len(plan.slices)
+        )
+        if not self.gather_outputs:
+            return DeviceOutputs(outputs, devices, sizes)
+        if type(self).scatter is not DataParallel.scatter:
+            return self._gather(outputs, None)  # the override chose the chunks: infer them
+        return self._gather(outputs, sizes)
+
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, device_ids: Sequence[Any]
+    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+        """torch's signature: per-device argument tuples and kwargs dicts for one round."""
+        plan = build_plan(
+            inputs,
+            kwargs,
+            resolve_devices(device_ids),
+            self.dim,
+            allow_waves=False,
+            **self.options,
+        )
+        self._warn_once(plan)
+        chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
+        return tuple(a for a, _ in chunks), tuple(k for _, k in chunks)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        """Replicas of ``module`` on ``device_ids``, cached between calls."""
+        return replicate(module, list(device_ids))
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[Any]
+    ) -> list[Any]:
+        """torch's signature: run each replica on its inputs, on the pool's threads."""
+        devices = self.device_ids[: len(replicas)]
+        return parallel_apply(replicas, inputs, kwargs, devices)
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        """torch's signature: one output on ``output_device``, chunk sizes inferred."""
+        return gather(outputs, output_device, self.dim, scalars=self.scalars)
+
+    def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
+        """The plan this wrapper would follow for these arguments; runs nothing."""
+        return build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+
+    # -- helpers that honour overrides --------------------------------------------------------
+
+    def _scatter_wave(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        plan: Plan,
+        wave: list[tuple[torch.device, int, int]],
+    ) -> tuple[Sequence[Any], Sequence[Any]]:
+        if type(self).scatter is not DataParallel.scatter:
+            if len(plan.slices) > 1:
+                raise ValueError(
+                    "max_size: waves need the built-in scatter, but scatter is overridden; "
+                    "drop max_size or the override"
+                )
+            return self.scatter(inputs, kwargs, [d for d, _, _ in wave])
+        chunks = [take(plan, start, length, device) for device, start, length in wave]
+        return [a for a, _ in chunks], [k for _, k in chunks]
+
+    def _parallel_apply(
+        self,
+        replicas: Sequence[nn.Module],
+        inputs: Sequence[Any],
+        kwargs: Sequence[Any],
+        devices: list[torch.device],
+        timings: list[float],
+    ) -> list[Any]:
+        if type(self).parallel_apply is not DataParallel.parallel_apply:
+            return self.parallel_apply(replicas, inputs, kwargs)
+        return parallel_apply(replicas, inputs, kwargs, devices, timings=timings)
+
+    def _gather(self, outputs: list[Any], sizes: list[int] | None) -> Any:
+        if type(self).gather is not DataParallel.gather:
+            return self.gather(outputs, self.output_device)
+        return gather(
+            outputs, self.output_device, self.dim, chunk_sizes=sizes, scalars=self.scalars
+        )
+
+    def _check_module_device(self) -> None:
+        device = self.src_device_obj
+        for name, tensor in _named_tensors(self.module):
+            if tensor.device != device:
+                raise RuntimeError(
+                    f"module: expected its parameters and buffers on {device} (device_ids[0]), "
+                    f"found {name!r} on {tensor.device}; move it first with "
+                    f"model.module.to({str(device)!r}), or list {str(tensor.device)!r} first in "
+                    f"device_ids"
+                )
+
+    def _warn_once(self, plan: Plan) -> None:
+        if plan.warnings and plan.warning_key not in self._warned:
+            self._warned.add(plan.warning_key)
+            for message in plan.warnings:
+                warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
+    """A batch size that lets the constructor validate the options against the devices."""
+    if chunk_sizes is None:
+        return 1
+    try:
+        return max(1, int(sum(chunk_sizes)))
+    except TypeError:
+        return 1
+
+
+def _named_tensors(module: nn.Module) -> Any:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
+    output_device: DeviceSpec | None = None,
+    dim: int = 0,
+    module_kwargs: Mapping[str, Any] | None = None,
+    **opts: Any,
+) -> Any:
+    """The functional form of ``DataParallel``: one call, same rules, cached replicas.
+
+    ``inputs`` is the tuple of positional arguments, or one argument; ``output_device=-1``
+    means the CPU. ``opts`` are ``DataParallel``'s keyword options.
+
+    >>> import torch, dataparallel as dp
+    >>> out = dp.data_parallel(torch.nn.Linear(4, 2), torch.randn(8, 4), ["cpu", "cpu"], -1)
+    >>> out.shape, out.device.type
+    (torch.Size([8, 2]), 'cpu')
+    """
+    args = inputs if type(inputs) is tuple else (inputs,)
+    wrapper = DataParallel(module, device_ids, output_device, dim, **opts)
+    return wrapper(*args, **(module_kwargs or {}))
+
+
+class DataParallelCriterion(nn.Module):
+    """Compute a loss on each device from that device's outputs and targets.
+
+    Use it with a ``DataParallel(..., gather=False)`` model: the outputs stay where they were
+    computed, the targets are split with the same chunk sizes onto the same devices, and the
+    per-device losses come back as their chunk-weighted mean on the output device (for a
+    mean-reduced criterion this equals the single-device loss). A plain, gathered output is
+    passed to the criterion unchanged.
+
+    Args:
+        criterion: the loss module, e.g. ``nn.CrossEntropyLoss()``.
+        device_ids: as for ``DataParallel`` (used only to resolve ``output_device``).
+        output_device: where the loss lands; default the first output's device.
+        dim: the batch dimension of the targets.
+        scalars: ``"mean"`` for mean-reduced criteria, ``"sum"`` for sum-reduced ones.
+    """
+
+    def __init__(
+        self,
+        criterion: nn.Module,
+        device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
+        output_device: DeviceSpec | None = None,
+        dim: int = 0,
+        *,
+        scalars: str = "mean",
+    ) -> None:
+        super().__init__()
+        self.criterion = criterion
+        self.device_ids = resolve_devices(device_ids)
+        self.output_device = (
+            None if output_device is None else target_device(output_device, where="output_device")
+        )
+        self.dim = dim
+        self.scalars = _check_scalars(scalars)
+
+    def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
+        """The loss of ``outputs`` against ``targets``, computed where the outputs are."""
+        if not isinstance(outputs, DeviceOutputs):
+            return self.criterion(outputs, *targets, **kwargs)
+        devices, sizes = outputs.devices, outputs.chunk_sizes
+        plan = build_plan(
+            targets,
+            kwargs,
+            devices,
+            self.dim,
+            batch_size=sum(sizes),
+            chunk_sizes=sizes,
+            strict=True,
+        )
+        chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
+        args = [(out, *chunk_args) for out, (chunk_args, _) in zip(outputs, chunks, strict=True)]
+        chunk_kwargs = [k for _, k in chunks]
+        if len(outputs) == 1:
+            losses = [self.criterion(*args[0], **chunk_kwargs[0])]
+        else:
+            replicas = replicate(self.criterion, devices)
+            losses = parallel_apply(replicas, args, chunk_kwargs, devices)
+        target = self.output_device or devices[0]
+        return gather(losses, target, self.dim, chunk_sizes=sizes, scalars=self.scalars)
