@@ -1,0 +1,219 @@
+"""The ``dataparallel`` command line: ``train``, ``explain`` and ``bench``.
+
+This module only parses arguments and turns bad input into one line on stderr
+(``dataparallel: error: ...``) and exit code 2; the work lives in
+:mod:`dataparallel.demo.train` and the library itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn, TextIO
+
+__all__ = ["build_parser", "main"]
+
+PROG = "dataparallel"
+
+
+class _UsageError(Exception):
+    """Raised by the parser instead of printing usage and exiting (one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage and exits; we want one line, so raise instead.
+        raise _UsageError(f"{self.prog.removeprefix(PROG + ' ')}: {message}")
+
+
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return value
+
+
+def _momentum(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = _Parser(
+        prog=PROG,
+        description="Run one PyTorch module over many devices on one batch, and get the "
+        "batch right.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
+
+    t = sub.add_parser(
+        "train",
+        help="train the tutorial's classifier on every device",
+        description="Train the PyTorch tutorial's CIFAR-10 classifier (on scikit-learn's "
+        "digits by default) with DataParallel or DDP, and report accuracy per class, "
+        "throughput and the per-replica load.",
+    )
+    t.add_argument(
+        "--data",
+        default="digits",
+        help="digits (default), random (the tutorial's RandomDataset) or cifar10:DIR "
+        "(the official CIFAR-10 python batches in DIR)",
+    )
+    t.add_argument("--epochs", type=_int_at_least(0), help="default: per dataset (digits 20)")
+    t.add_argument(
+        "--batch-size", type=_int_at_least(1), help="global batch size (default: per dataset)"
+    )
+    t.add_argument("--lr", type=_positive_float, help="SGD learning rate (default: per dataset)")
+    t.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum (0.9)")
+    t.add_argument("--seed", type=int, default=0, help="seed for the model and data order (0)")
+    t.add_argument(
+        "--devices",
+        default="auto",
+        help='comma list such as "cpu,cpu" or "0,1"; auto (default): every GPU, else the CPU',
+    )
+    t.add_argument("--strategy", choices=("dp", "ddp"), default="dp", help="dp (default) or ddp")
+    t.add_argument(
+        "--nproc-per-node",
+        type=_int_at_least(1),
+        default=1,
+        help="ddp: worker processes to launch (default 1, in this process)",
+    )
+    t.add_argument(
+        "--trace", action="store_true", help="print the tutorial's In Model / Outside sizes"
+    )
+    t.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here every epoch")
+    t.add_argument("--resume", action="store_true", help="continue from --checkpoint PATH")
+    t.add_argument("--plot", metavar="PATH", help="PNG of loss and accuracy per epoch")
+    t.add_argument("--json", metavar="PATH", help="write the final figures as JSON")
+    progress = t.add_mutually_exclusive_group()
+    progress.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
+    )
+    progress.add_argument("--no-progress", dest="progress", action="store_false")
+
+    e = sub.add_parser(
+        "explain",
+        help="print how batches are split",
+        description="Print the plan (how each input is split, per-sample or broadcast, and "
+        "why) for the seed scenarios of the design, or for one training batch of --data.",
+    )
+    e.add_argument("scenarios", nargs="*", metavar="NAME", help="scenario names (default: all)")
+    e.add_argument("--data", help="explain one training batch of this dataset instead")
+    e.add_argument("--batch-size", type=_int_at_least(1), help="batch size for --data")
+    e.add_argument("--devices", default="auto", help='devices for --data, e.g. "cpu,cpu"')
+
+    sub.add_parser("bench", help="measure overhead and scaling (not available yet)")
+    return parser
+
+
+def _explain(args: argparse.Namespace, out: TextIO) -> int:
+    from dataparallel.demo.train import UsageError, parse_devices
+    from dataparallel.plan import plan
+
+    if args.data is not None:
+        from dataparallel.demo.data import DataError, load_dataset
+
+        try:
+            data = load_dataset(args.data)
+        except DataError as exc:
+            raise UsageError(str(exc)) from exc
+        devices = parse_devices(args.devices)
+        batch = data.train_x[: args.batch_size or data.batch_size]
+        where = ", ".join(str(d) for d in devices)
+        print(f"{data.name}: one training batch of {len(batch)} on {where}", file=out)
+        print(str(plan((batch,), {}, devices)), file=out)
+        return 0
+    from dataparallel.scenarios import SCENARIOS
+
+    names = list(args.scenarios) or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise UsageError(
+            f"explain: expected scenario names from {', '.join(SCENARIOS)}, got {unknown[0]!r}"
+        )
+    for i, name in enumerate(names):
+        made = SCENARIOS[name]()
+        if isinstance(made, tuple):  # (inputs, kwargs, devices)
+            inputs, kwargs, devices = made
+            title, opts = "", {}
+        else:
+            inputs, kwargs, devices = made.inputs, made.kwargs, made.devices
+            title, opts = getattr(made, "title", ""), dict(getattr(made, "opts", {}) or {})
+        if i:
+            print(file=out)
+        print(f"{name}: {title}" if title else name, file=out)
+        expect = getattr(made, "expect", "")
+        if expect:
+            print(f"expected: {expect}", file=out)
+        print(str(plan(inputs, kwargs, devices, **opts)), file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 2 bad usage or input).
+
+    Args:
+        argv: the arguments after the program name; ``None`` reads ``sys.argv``.
+    """
+    from dataparallel.demo.train import TrainOptions, UsageError, run_train
+
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(args_list)
+        if args.command == "train":
+            opts = TrainOptions(
+                data=args.data,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                momentum=args.momentum,
+                seed=args.seed,
+                devices=args.devices,
+                strategy=args.strategy,
+                nproc_per_node=args.nproc_per_node,
+                trace=args.trace,
+                checkpoint=args.checkpoint,
+                resume=args.resume,
+                plot=args.plot,
+                json=args.json,
+                progress=args.progress,
+            )
+            return run_train(opts, args_list)
+        if args.command == "explain":
+            return _explain(args, sys.stdout)
+        if args.command == "bench":
+            raise UsageError(
+                "bench: not available yet in this version; run the scripts in benchmarks/ "
+                "from a source checkout"
+            )
+        raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
+    except (_UsageError, UsageError) as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,125 @@
+"""The tutorial's models: the CIFAR-10 classifier ``Net`` and the one-layer ``Model``.
+
+Both keep the tutorial's structure. ``Net`` is adapted to the input: 3x32x32 CIFAR images use
+the tutorial's 5x5 convolutions without padding (32 -> 28 -> 14 -> 10 -> 5), small images such
+as the 8x8 digits use 3x3 convolutions with padding 1 (8 -> 8 -> 4 -> 4 -> 2), so that the
+shapes work; the widths stay 6/16/120/84/classes.
+
+With ``trace=True`` a model prints the tutorial's line from inside ``forward``, once per replica::
+
+    \tIn Model: input size torch.Size([10, 5]) output size torch.Size([10, 2])
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Model", "Net", "build_model", "trace_line"]
+
+
+def trace_line(input: torch.Tensor, output: torch.Tensor) -> str:
+    """The tutorial's in-model line, newline included."""
+    return f"\tIn Model: input size {input.size()} output size {output.size()}\n"
+
+
+def _emit(line: str) -> None:
+    # One write per line: replicas run on threads, and print() writes the text and the newline
+    # separately, so two replicas' lines could interleave.
+    sys.stdout.write(line)
+    sys.stdout.flush()
+
+
+class Net(nn.Module):
+    """The tutorial's classifier: conv, pool, conv, pool and three linear layers.
+
+    Args:
+        in_channels: 3 for CIFAR-10 (as in the tutorial), 1 for digits.
+        image_size: the height and width of the square input images.
+        num_classes: the number of outputs.
+        trace: print the tutorial's ``In Model`` line on every forward.
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 3,
+        image_size: int = 32,
+        num_classes: int = 10,
+        *,
+        trace: bool = False,
+    ) -> None:
+        super().__init__()
+        # The tutorial's 5x5 unpadded convolutions need at least 16 pixels (two of them and two
+        # pools); smaller images get 3x3 convolutions that keep the size.
+        kernel, padding = (5, 0) if image_size >= 16 else (3, 1)
+        size = image_size
+        for _ in range(2):
+            size = (size + 2 * padding - kernel + 1) // 2
+        if size < 1:
+            raise ValueError(
+                f"image_size: expected images of at least 2x2 pixels, got {image_size!r}"
+            )
+        self.conv1 = nn.Conv2d(in_channels, 6, kernel, padding=padding)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, kernel, padding=padding)
+        self.fc1 = nn.Linear(16 * size * size, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+        self.trace = trace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores, shape ``(batch, num_classes)``."""
+        out = self.pool(F.relu(self.conv1(x)))
+        out = self.pool(F.relu(self.conv2(out)))
+        # flatten(1), not the tutorial's view(-1, 16 * 5 * 5), which would silently fold a
+        # wrongly shaped batch into a different batch size.
+        out = out.flatten(1)
+        out = F.relu(self.fc1(out))
+        out = F.relu(self.fc2(out))
+        out = self.fc3(out)
+        if self.trace:
+            _emit(trace_line(x, out))
+        return out
+
+
+class Model(nn.Module):
+    """The tutorial's data-parallel demo model: one linear layer and a print.
+
+    Args:
+        input_size: size of each input vector (5 in the tutorial).
+        output_size: size of each output vector (2 in the tutorial).
+        trace: print the tutorial's ``In Model`` line on every forward.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, trace: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(input_size, output_size)
+        self.trace = trace
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``fc(input)``, printing the sizes when tracing."""
+        output: torch.Tensor = self.fc(input)
+        if self.trace:
+            _emit(trace_line(input, output))
+        return output
+
+
+def build_model(
+    input_shape: tuple[int, ...], num_classes: int, *, trace: bool = False
+) -> nn.Module:
+    """The tutorial model for an input shape: ``Net`` for images ``(C, H, W)``, ``Model`` for
+    vectors ``(size,)``.
+
+    Raises:
+        ValueError: the shape is neither.
+    """
+    if len(input_shape) == 1:
+        return Model(input_shape[0], num_classes, trace=trace)
+    if len(input_shape) == 3 and input_shape[1] == input_shape[2]:
+        return Net(input_shape[0], input_shape[1], num_classes, trace=trace)
+    raise ValueError(
+        f"input_shape: expected (size,) or square images (C, H, H), got {input_shape!r}"
+    )

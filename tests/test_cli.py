@@ -1,0 +1,354 @@
+"""The ``dataparallel`` command line: train (dp and ddp), explain, bench, and its errors.
+
+Most runs go through ``dataparallel.cli.main(argv)`` in this process (fast); one runs the real
+entry, ``python -m dataparallel``, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# Imported at collection: scikit-learn sets KMP_* environment variables on first import, which
+# the leak check in conftest.py would pin on whichever test imported it first.
+from sklearn.datasets import load_digits  # noqa: F401
+from sklearn.model_selection import train_test_split  # noqa: F401
+
+from dataparallel.cli import main
+from dataparallel.demo.data import load_dataset, write_cifar_like
+from dataparallel.demo.models import build_model
+from dataparallel.demo.train import load_checkpoint, save_checkpoint
+
+ERROR_PREFIX = "dataparallel: error: "
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _assert_states_close(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6, rtol=1e-5), key
+
+
+def _assert_optimizers_close(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        buf_a, buf_b = a["state"][key]["momentum_buffer"], b["state"][key]["momentum_buffer"]
+        assert torch.allclose(buf_a, buf_b, atol=1e-6, rtol=1e-5), key
+
+
+# ------------------------------------------------------------------------------ train (dp)
+
+
+def test_dp_training_matches_plain_pytorch_on_one_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, out_json = tmp_path / "run.pt", tmp_path / "run.json"
+    argv = ["train", "--devices", "cpu,cpu", "--epochs", "2", "--lr", "0.05", "--seed", "3"]
+    code, out, err = _run([*argv, "--checkpoint", str(ckpt), "--json", str(out_json)], capsys)
+    assert code == 0, err
+
+    # Oracle: the same run in plain PyTorch on one device (the documented epoch order:
+    # randperm seeded with seed + epoch).
+    data = load_dataset("digits")
+    torch.manual_seed(3)
+    net = build_model(data.input_shape, 10)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for epoch in range(2):
+        order = torch.randperm(
+            len(data.train_y), generator=torch.Generator().manual_seed(3 + epoch)
+        )
+        total = 0.0
+        for start in range(0, len(order), 32):
+            idx = order[start : start + 32]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(data.train_x[idx]), data.train_y[idx])
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        losses.append(total / len(order))
+
+    state = load_checkpoint(ckpt)
+    assert state["epoch"] == 2
+    _assert_states_close(state["model"], net.state_dict())
+    _assert_optimizers_close(state["optimizer"], opt.state_dict())
+
+    figures = _json(out_json)
+    assert [h["loss"] for h in figures["history"]] == pytest.approx(losses, rel=1e-4)
+    assert losses[1] < losses[0]
+    # The last step of an epoch is 1437 % 32 = 29 samples, split as evenly as possible.
+    assert figures["last_call"]["chunk_sizes"] == [15, 14]
+    assert figures["last_call"]["devices"] == ["cpu", "cpu"]
+    with torch.no_grad():
+        pred = net(data.test_x).argmax(dim=1)
+    assert figures["test_accuracy"] == pytest.approx(float((pred == data.test_y).float().mean()))
+    per_class = figures["per_class"]
+    assert sum(c["total"] for c in per_class.values()) == len(data.test_y)
+    assert per_class["3"]["correct"] == int(((pred == data.test_y) & (data.test_y == 3)).sum())
+    # What a person sees: the table, throughput and the replicas' load.
+    assert "test accuracy" in out and "samples/s" in out and "last step, per replica:" in out
+    assert re.search(r"^3\s+\d\.\d{4}\s+\d+\s+\d+$", out, re.MULTILINE)
+
+
+def test_resume_continues_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["train", "--devices", "cpu,cpu", "--batch-size", "64", "--lr", "0.05"]
+    whole, part = tmp_path / "whole.pt", tmp_path / "part.pt"
+    assert _run([*base, "--epochs", "3", "--checkpoint", str(whole)], capsys)[0] == 0
+    assert _run([*base, "--epochs", "1", "--checkpoint", str(part)], capsys)[0] == 0
+    assert load_checkpoint(part)["epoch"] == 1
+    code, out, err = _run([*base, "--epochs", "3", "--checkpoint", str(part), "--resume"], capsys)
+    assert code == 0, err
+    assert "resumed from" in out and "after epoch 1" in out
+    assert "epoch 1/3" not in out and "epoch 2/3" in out
+
+    a, b = load_checkpoint(whole), load_checkpoint(part)
+    assert a["epoch"] == b["epoch"] == 3
+    _assert_states_close(a["model"], b["model"])
+    _assert_optimizers_close(a["optimizer"], b["optimizer"])
+    assert [h["loss"] for h in a["history"]] == pytest.approx([h["loss"] for h in b["history"]])
+    # The checkpoint is written atomically: no temp file is left beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part.pt", "whole.pt"]
+
+
+def test_resume_with_other_options_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "c.pt"
+    assert _run(["train", "--data", "random", "--checkpoint", str(ckpt)], capsys)[0] == 0
+    argv = ["train", "--data", "random", "--checkpoint", str(ckpt), "--resume"]
+    code, _, err = _run([*argv, "--batch-size", "10"], capsys)
+    assert code == 2
+    assert err.startswith(ERROR_PREFIX) and "--batch-size 30" in err and err.count("\n") == 1
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, {"format": "x", "epoch": 1})
+
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(path, {"epoch": 2, "bad": Unpicklable()})
+    assert torch.load(path, weights_only=True)["epoch"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_cifar_folder_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_cifar_like(tmp_path / "cifar", n_train=60, n_test=20)
+    out_json, plot = tmp_path / "f.json", tmp_path / "p.png"
+    argv = ["train", "--data", f"cifar10:{folder}", "--devices", "cpu,cpu", "--epochs", "2"]
+    code, out, err = _run([*argv, "--json", str(out_json), "--plot", str(plot)], capsys)
+    assert code == 0, err
+    figures = _json(out_json)
+    assert figures["data"] == f"cifar10:{folder}" and len(figures["history"]) == 2
+    assert sum(c["total"] for c in figures["per_class"].values()) == 20
+    assert set(figures["per_class"]) == {
+        "plane",
+        "car",
+        "bird",
+        "cat",
+        "deer",
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    }
+    assert "truck" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+_IN_MODEL = re.compile(
+    r"^\tIn Model: input size torch\.Size\(\[(\d+), 5\]\) output size torch\.Size\(\[(\d+), 2\]\)$"
+)
+_OUTSIDE = re.compile(
+    r"^Outside: input size torch\.Size\(\[(\d+), 5\]\) output_size torch\.Size\(\[(\d+), 2\]\)$"
+)
+
+
+def test_trace_prints_the_tutorials_sizes_on_three_replicas(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = _run(
+        ["train", "--data", "random", "--devices", "cpu,cpu,cpu", "--trace"], capsys
+    )
+    assert code == 0, err
+    groups: list[list[int]] = []
+    outside: list[int] = []
+    current: list[int] = []
+    for line in out.splitlines():
+        if m := _IN_MODEL.match(line):
+            assert m.group(1) == m.group(2)
+            current.append(int(m.group(1)))
+        elif m := _OUTSIDE.match(line):
+            assert m.group(1) == m.group(2)
+            outside.append(int(m.group(1)))
+            groups.append(sorted(current, reverse=True))  # replicas print in any order
+            current = []
+    assert outside == [30, 30, 30, 10]
+    assert groups == [[10, 10, 10]] * 3 + [[4, 3, 3]]
+    assert current == []  # evaluation prints nothing
+
+
+# ------------------------------------------------------------------------------ train (ddp)
+
+
+def test_one_process_ddp_matches_dp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["train", "--data", "random", "--epochs", "3", "--batch-size", "16"]
+    dp_ckpt, ddp_ckpt = tmp_path / "dp.pt", tmp_path / "ddp.pt"
+    assert _run([*base, "--devices", "cpu", "--checkpoint", str(dp_ckpt)], capsys)[0] == 0
+    ddp_json = tmp_path / "ddp.json"
+    code, _, err = _run(
+        [*base, "--strategy", "ddp", "--checkpoint", str(ddp_ckpt), "--json", str(ddp_json)],
+        capsys,
+    )
+    assert code == 0, err
+    a, b = load_checkpoint(dp_ckpt), load_checkpoint(ddp_ckpt)
+    _assert_states_close(a["model"], b["model"])
+    assert _json(ddp_json)["strategy"] == "ddp"
+    assert sum(c["total"] for c in _json(ddp_json)["per_class"].values()) == 100
+
+
+def test_two_process_ddp_counts_every_test_sample(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "f.json"
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", "2"]
+    code, _, err = _run(
+        [*argv, "--epochs", "2", "--batch-size", "15", "--json", str(out_json)], capsys
+    )
+    assert code == 0, err
+    figures = _json(out_json)
+    assert figures["devices"] == ["cpu", "cpu"]
+    # 100 samples, 50 per rank; batches of 8 and 7: 7 steps on both ranks, last 2 + 1.
+    assert figures["last_call"]["chunk_sizes"] == [2, 1]
+    assert sum(c["total"] for c in figures["per_class"].values()) == 100
+
+
+# ------------------------------------------------------------------------- explain, bench
+
+
+def test_explain_prints_every_scenarios_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataparallel.plan import plan
+    from dataparallel.scenarios import SCENARIOS
+
+    code, out, _ = _run(["explain"], capsys)
+    assert code == 0
+    for name, make in SCENARIOS.items():
+        s = make()
+        assert f"{name}: " in out
+        assert str(plan(s.inputs, s.kwargs, s.devices, **s.opts)) in out
+    assert "chunk sizes: [10, 10, 10]" in out  # S4
+
+
+def test_explain_one_training_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataparallel.plan import plan
+
+    code, out, _ = _run(["explain", "--data", "random", "--devices", "cpu,cpu,cpu"], capsys)
+    assert code == 0
+    batch = load_dataset("random").train_x[:30]
+    assert str(plan((batch,), {}, ["cpu"] * 3)) in out
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(64))
+    return {
+        "unknown device": (["train", "--devices", "cpu,tpu"], "--devices[1]"),
+        "absent cuda device": (["train", "--devices", "cuda:99"], "--devices"),
+        "no CIFAR files": (["train", "--data", f"cifar10:{empty}"], "data_batch_1"),
+        "batch size 0": (["train", "--batch-size", "0"], "--batch-size"),
+        "unreadable checkpoint": (
+            ["train", "--checkpoint", str(garbage), "--resume"],
+            "cannot read it as a checkpoint",
+        ),
+        "missing checkpoint": (
+            ["train", "--checkpoint", str(tmp_path / "none.pt"), "--resume"],
+            "no such file",
+        ),
+        "resume without checkpoint": (["train", "--resume"], "--checkpoint"),
+        "unknown data": (["train", "--data", "mnist"], "'mnist'"),
+        "bad lr": (["train", "--lr", "-1"], "--lr"),
+        "devices with ddp": (["train", "--strategy", "ddp", "--devices", "cpu"], "--devices"),
+        "unknown scenario": (["explain", "S9"], "'S9'"),
+        "bench": (["bench"], "not available yet"),
+        "no command": ([], "expected a command"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown device",
+        "absent cuda device",
+        "no CIFAR files",
+        "batch size 0",
+        "unreadable checkpoint",
+        "missing checkpoint",
+        "resume without checkpoint",
+        "unknown data",
+        "bad lr",
+        "devices with ddp",
+        "unknown scenario",
+        "bench",
+        "no command",
+    ],
+)
+def test_bad_options_give_one_line_and_exit_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv, needle = _bad_args(tmp_path)[case]
+    code, out, err = _run(argv, capsys)
+    assert code == 2
+    assert err.startswith(ERROR_PREFIX) and err.count("\n") == 1, err
+    assert needle in err
+    assert "Traceback" not in err + out
+
+
+def test_real_entry_trains_and_reports_errors(tmp_path: Path) -> None:
+    ckpt = tmp_path / "run.pt"
+    env = {**os.environ, "PYTHONWARNINGS": "error::UserWarning"}
+    argv = [sys.executable, "-m", "dataparallel", "train", "--devices", "cpu,cpu"]
+    done = subprocess.run(
+        [*argv, "--epochs", "2", "--checkpoint", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    losses = [float(x) for x in re.findall(r"^epoch \d/2: loss ([\d.]+)", done.stdout, re.M)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert load_checkpoint(ckpt)["epoch"] == 2
+    bad = subprocess.run(
+        [*argv, "--batch-size", "0"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.startswith(ERROR_PREFIX) and bad.stderr.count("\n") == 1
