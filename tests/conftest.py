@@ -11,6 +11,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+try:  # scikit-learn sets KMP_* variables on first import: import it before any test runs
+    import sklearn  # noqa: F401
+except ImportError:  # pragma: no cover - only the demo tests need it
+    pass
+
 # Threads of the process-wide replica pool are created on first use and kept on purpose.
 POOL_THREAD_PREFIX = "dataparallel-"
 

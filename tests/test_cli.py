@@ -23,9 +23,9 @@ from sklearn.datasets import load_digits  # noqa: F401
 from sklearn.model_selection import train_test_split  # noqa: F401
 
 from dataparallel.cli import main
+from dataparallel.demo.checkpoint import load_checkpoint, save_checkpoint
 from dataparallel.demo.data import load_dataset, write_cifar_like
 from dataparallel.demo.models import build_model
-from dataparallel.demo.train import load_checkpoint, save_checkpoint
 
 ERROR_PREFIX = "dataparallel: error: "
 

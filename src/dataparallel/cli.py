@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _explain(args: argparse.Namespace, out: TextIO) -> int:
-    from dataparallel.demo.train import UsageError, parse_devices
+    from dataparallel.demo.options import UsageError
+    from dataparallel.demo.train import parse_devices
     from dataparallel.plan import plan
 
     if args.data is not None:
@@ -178,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name; ``None`` reads ``sys.argv``.
     """
-    from dataparallel.demo.train import TrainOptions, UsageError, run_train
+    from dataparallel.demo.options import TrainOptions, UsageError
+    from dataparallel.demo.train import run_train
 
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:

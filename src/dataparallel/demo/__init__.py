@@ -1,6 +1,10 @@
-"""The demo behind ``dataparallel train``: datasets, the tutorial's models and the training
-loop. It lives outside the library core; import its submodules directly
-(``dataparallel.demo.data``, ``dataparallel.demo.models``, ``dataparallel.demo.train``)."""
+"""The demo behind ``dataparallel train``, outside the library core.
+
+Submodules: ``data`` (digits, CIFAR-10 folders, the tutorial's random data), ``models`` (the
+tutorial's networks), ``options`` (options and results), ``train`` (the dp loop and the entry
+points), ``ddp`` (the DDP loop), ``checkpoint`` (atomic save, exact resume) and ``report``
+(what a person and a machine read at the end). Import them directly.
+"""
 
 from __future__ import annotations
 

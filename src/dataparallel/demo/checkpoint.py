@@ -1,0 +1,182 @@
+"""Checkpoints of ``dataparallel train``: atomic writes, safe reads, and resuming a run.
+
+A checkpoint holds the model, the optimizer, the RNG state, the history so far and the options
+that must match for a resumed run to continue the same run. Both strategies (dp and ddp) write
+and resume through this module, so a run resumed from a checkpoint continues as if it had never
+stopped, whichever loop wrote it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from dataparallel.demo.data import DemoData
+from dataparallel.demo.options import EpochStats, TrainOptions, UsageError
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "check_resume",
+    "checkpoint_state",
+    "load_checkpoint",
+    "resume",
+    "rng_state",
+    "run_config",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+CHECKPOINT_FORMAT = "dataparallel-demo/1"
+
+
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically: a temp file in the same folder, fsync, replace.
+
+    A crash mid-write leaves the previous checkpoint intact, never a truncated one.
+    """
+    target = Path(path)
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # Make the rename itself durable where the platform allows opening a folder.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``: no code runs).
+
+    Raises:
+        UsageError: the file is missing, unreadable, or not a checkpoint of this demo.
+    """
+    fix = "point --checkpoint at a file written by `dataparallel train`, or drop --resume"
+    if not Path(path).is_file():
+        raise UsageError(f"--checkpoint {str(path)!r}: no such file to resume from; {fix}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--checkpoint {str(path)!r}: cannot read it as a checkpoint ({reason}); {fix}"
+        ) from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise UsageError(
+            f"--checkpoint {str(path)!r}: expected format {CHECKPOINT_FORMAT!r}, got {found!r}; "
+            f"{fix}"
+        )
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch RNG state (and every CUDA device's, where CUDA is available)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore an RNG state taken by :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -> dict[str, Any]:
+    """What must match for a resumed run to continue the same run."""
+    return {
+        "data": data.spec,
+        "batch_size": batch_size,
+        "seed": opts.seed,
+        "lr": lr,
+        "momentum": opts.momentum,
+    }
+
+
+def check_resume(state: dict[str, Any], config: dict[str, Any], path: str) -> None:
+    """Check that a checkpoint was written with this run's :func:`run_config`.
+
+    Raises:
+        UsageError: an option differs from the one the checkpoint was written with.
+    """
+    saved = state.get("config", {})
+    for key, value in config.items():
+        if saved.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(
+                f"--resume: the checkpoint {path!r} was written with {flag} "
+                f"{saved.get(key)!r}, got {value!r}; resume with the same {flag}"
+            )
+
+
+def resume(
+    path: str,
+    config: dict[str, Any],
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    out: TextIO | None,
+) -> tuple[int, list[EpochStats]]:
+    """Load a checkpoint into ``net`` and ``optimizer``; return the epochs done and history.
+
+    Raises:
+        UsageError: the checkpoint is unreadable, was written with other options, or does not
+            fit this model.
+    """
+    state = load_checkpoint(path)
+    check_resume(state, config, path)
+    try:
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        epoch = int(state["epoch"])
+        history = [EpochStats(**h) for h in state["history"]]
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--checkpoint {path!r}: does not fit this model and options ({reason}); "
+            f"resume with the options it was written with, or start without --resume"
+        ) from exc
+    if out is not None:
+        print(f"resumed from {path} after epoch {epoch}", file=out)
+    return epoch, history
+
+
+def checkpoint_state(
+    epoch: int,
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    history: list[EpochStats],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """The state :func:`save_checkpoint` writes after ``epoch`` epochs."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "epoch": epoch,
+        "model": net.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+        "history": [dataclasses.asdict(h) for h in history],
+        "config": config,
+    }

@@ -1,0 +1,190 @@
+"""The ``ddp`` strategy of ``dataparallel train``: one process per device.
+
+Started by :func:`dataparallel.launch.launch` or torchrun, each process trains its share:
+``ddp_session`` wraps the model in ``DistributedDataParallel``, ``ShardedSampler`` partitions
+the training and test sets exactly, ``Join`` covers ranks with fewer steps, ``gather_all``
+brings every rank's predictions together for exact test counts, and rank 0 reports. It lives
+apart from the dp loop in :mod:`dataparallel.demo.train` because its batching (a global batch
+cut over ranks) and its evaluation (gathered over ranks) differ from dp's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TextIO
+
+import torch
+from torch import nn
+
+from dataparallel.demo.checkpoint import checkpoint_state, resume, run_config, save_checkpoint
+from dataparallel.demo.data import DemoData
+from dataparallel.demo.models import build_model
+from dataparallel.demo.options import (
+    EpochStats,
+    TrainOptions,
+    TrainResult,
+    UsageError,
+    load_data,
+    resolve_hyper,
+)
+from dataparallel.demo.report import per_class, print_epoch, progress_bar
+
+__all__ = ["ddp_train"]
+
+
+def _rank_batches(n: int, world: int, batch_size: int) -> tuple[list[int], list[int]]:
+    """Each rank's sample count (ShardedSampler's split) and batch size (the global batch cut as
+    evenly as possible, larger first)."""
+    base, extra = divmod(n, world)
+    counts = [base + (1 if r < extra else 0) for r in range(world)]
+    sizes = [batch_size // world + (1 if r < batch_size % world else 0) for r in range(world)]
+    return counts, sizes
+
+
+def _step_totals(counts: list[int], sizes: list[int]) -> list[int]:
+    """The global batch of each step: every rank's k-th batch, 0 for a rank that has finished."""
+    steps = max(-(-c // s) for c, s in zip(counts, sizes, strict=True))
+    return [
+        sum(max(0, min(s, c - k * s)) for c, s in zip(counts, sizes, strict=True))
+        for k in range(steps)
+    ]
+
+
+def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
+    """Train in this process as one rank of a ddp run; rank 0 returns the figures, others None.
+
+    Raises:
+        UsageError: a bad option, dataset or checkpoint, or a global batch smaller than the
+            number of processes.
+    """
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.join import Join
+    from torch.utils.data import DataLoader
+
+    from dataparallel.distributed import ShardedSampler, ddp_session, gather_all
+
+    data = load_data(opts)
+    epochs, batch_size, lr = resolve_hyper(data, opts)
+    torch.manual_seed(opts.seed)
+    net = build_model(data.input_shape, len(data.classes), trace=opts.trace)
+    config = run_config(data, batch_size, opts, lr)
+    with ddp_session(net) as (ddp, info):
+        main, world, device = info.rank == 0, info.world_size, info.device
+        counts, sizes = _rank_batches(len(data.train_y), world, batch_size)
+        if min(sizes) < 1:
+            raise UsageError(
+                f"--batch-size: expected at least one sample per process ({world}), got "
+                f"{batch_size}; use --batch-size {world} or more"
+            )
+        totals = _step_totals(counts, sizes)
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
+        history: list[EpochStats] = []
+        start_epoch = 0
+        if opts.resume and opts.checkpoint:
+            start_epoch, history = resume(
+                opts.checkpoint, config, net, optimizer, out if main else None
+            )
+        sampler = ShardedSampler(data.train, shuffle=True, seed=opts.seed)
+        loader = DataLoader(data.train, batch_size=sizes[info.rank], sampler=sampler)
+        n = len(data.train_y)
+        wall = time.perf_counter()
+        trained, train_time = 0, 0.0
+        last = torch.zeros(1, 3, dtype=torch.float64)
+        for epoch in range(start_epoch, epochs):
+            sampler.set_epoch(epoch)
+            ddp.train()
+            loss_sum, seen, t0 = 0.0, 0, time.perf_counter()
+            bar = progress_bar(n, f"epoch {epoch + 1}/{epochs}", opts.progress if main else False)
+            # Join lets a rank with fewer batches shadow the others' gradient all-reduces.
+            with contextlib.closing(bar), Join([ddp]):
+                for k, (x, y) in enumerate(loader):
+                    step_start = time.perf_counter()
+                    x, y = x.to(device), y.to(device)
+                    optimizer.zero_grad()
+                    output = ddp(x)
+                    summed = F.cross_entropy(output, y, reduction="sum")
+                    # DDP averages gradients over ranks; scaling by world / global batch makes
+                    # that average the global batch's mean, even when ranks' batches differ.
+                    (summed * world / totals[k]).backward()
+                    optimizer.step()
+                    loss_sum, seen = loss_sum + summed.item(), seen + len(y)
+                    last = torch.tensor(
+                        [[info.rank, len(y), time.perf_counter() - step_start]],
+                        dtype=torch.float64,
+                    )
+                    bar.update(totals[k])
+                    bar.set_postfix(loss=f"{summed.item() / len(y):.4f}")
+            seconds = time.perf_counter() - t0
+            trained, train_time = trained + n, train_time + seconds
+            sums = gather_all(torch.tensor([[loss_sum, seen]], dtype=torch.float64))
+            accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
+            stats = EpochStats(
+                epoch + 1,
+                float(sums[:, 0].sum() / sums[:, 1].sum()),
+                accuracy,
+                n / seconds,
+                seconds,
+            )
+            history.append(stats)
+            if main:
+                print_epoch(stats, epochs, out)
+                if opts.checkpoint:
+                    save_checkpoint(
+                        opts.checkpoint,
+                        checkpoint_state(epoch + 1, net, optimizer, history, config),
+                    )
+        loads = gather_all(last)
+        accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
+        devices = [str(d) for d in gather_all([str(device)])]
+    if not main:
+        return None
+    table = ["rank  samples  seconds"] + [
+        f"{int(r):>4}  {int(s):>7}  {t:7.4f}" for r, s, t in loads.tolist()
+    ]
+    return TrainResult(
+        data=data.spec,
+        strategy="ddp",
+        devices=devices,
+        epochs=epochs,
+        batch_size=batch_size,
+        history=history,
+        test_accuracy=accuracy,
+        per_class=classes,
+        samples_per_second=trained / train_time if train_time else 0.0,
+        wall_seconds=time.perf_counter() - wall,
+        last_step="\n".join(table),
+        last_call={
+            "devices": devices,
+            "chunk_sizes": [int(s) for s in loads[:, 1].tolist()],
+            "seconds": [float(t) for t in loads[:, 2].tolist()],
+        },
+    )
+
+
+def _ddp_evaluate(
+    net: nn.Module, data: DemoData, batch_size: int, trace: bool, device: torch.device
+) -> tuple[float, list[tuple[str, int, int]]]:
+    """Test accuracy overall and per class, each rank predicting its shard, gathered exactly."""
+    from torch.utils.data import DataLoader
+
+    from dataparallel.distributed import ShardedSampler, gather_all
+
+    sampler = ShardedSampler(data.test, shuffle=False)
+    preds, labels = [], []
+    net.eval()
+    net.trace = False  # type: ignore[assignment]
+    try:
+        with torch.no_grad():
+            for x, y in DataLoader(data.test, batch_size=batch_size, sampler=sampler):
+                preds.append(net(x.to(device)).argmax(dim=1).cpu())
+                labels.append(y)
+    finally:
+        net.trace = trace  # type: ignore[assignment]
+    empty = torch.empty(0, dtype=torch.long)
+    local = (torch.cat(preds) if preds else empty, torch.cat(labels) if labels else empty)
+    # Exact counts: every test sample once, whatever the ranks' shares.
+    pred, label = gather_all(local)
+    counts = per_class(pred, label, data.classes)
+    total = len(label)
+    return (sum(c for _, c, _ in counts) / total if total else 0.0), counts
