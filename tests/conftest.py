@@ -4,17 +4,17 @@ process groups (Lightning Fabric's habit), so a test that leaves state behind fa
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-import torch
 
-try:  # scikit-learn sets KMP_* variables on first import: import it before any test runs
-    import sklearn  # noqa: F401
-except ImportError:  # pragma: no cover - only the demo tests need it
-    pass
+# scikit-learn (a dev dependency) sets KMP_* variables on first import: import it before any
+# test runs, so the leak check below does not blame the first test that touches it.
+import sklearn  # noqa: F401
+import torch
 
 # Threads of the process-wide replica pool are created on first use and kept on purpose.
 POOL_THREAD_PREFIX = "dataparallel-"
@@ -36,8 +36,10 @@ def _foreign_threads() -> set[threading.Thread]:
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    """Fail a test that leaks threads, environment variables or a process group."""
+    """Fail a test that leaks threads, environment variables, a SIGINT handler or a process
+    group."""
     before_threads = _foreign_threads()
+    before_sigint = signal.getsignal(signal.SIGINT)
     before_env = _env()
     yield
     deadline = time.monotonic() + 2.0
@@ -57,6 +59,9 @@ def no_leaks() -> Iterator[None]:
             else:
                 os.environ.pop(key, None)
         problems.append(f"environment variables changed: {changed}")
+    if signal.getsignal(signal.SIGINT) is not before_sigint:
+        signal.signal(signal.SIGINT, before_sigint)
+        problems.append("the SIGINT handler was replaced and not restored")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         problems.append("a process group was left initialised")

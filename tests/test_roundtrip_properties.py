@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -147,6 +148,8 @@ def cases(draw: st.DrawFn) -> tuple[Any, int, dict[str, Any]]:
     return data, n, opts
 
 
+# random nesting can make a two-item tensor list tie with its length: the plan warns, correctly
+@pytest.mark.filterwarnings("ignore:.*read as structure:UserWarning")
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_scatter_identity_gather_round_trip(case: tuple[Any, int, dict[str, Any]]) -> None:

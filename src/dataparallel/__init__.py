@@ -8,6 +8,15 @@
 from __future__ import annotations
 
 from dataparallel.devices import resolve_devices
+from dataparallel.distributed import (
+    DistInfo,
+    ShardedSampler,
+    ddp_session,
+    destroy_distributed,
+    gather_all,
+    init_distributed,
+    shard,
+)
 from dataparallel.gather import gather
 from dataparallel.markers import Shared, Split
 from dataparallel.parallel_apply import parallel_apply
@@ -29,20 +38,27 @@ __all__ = [
     "DataParallel",
     "DataParallelCriterion",
     "DeviceOutputs",
+    "DistInfo",
     "Entry",
     "Plan",
+    "ShardedSampler",
     "Shared",
     "Split",
     "Vote",
     "__version__",
     "clear_replica_cache",
     "data_parallel",
+    "ddp_session",
+    "destroy_distributed",
     "fresh_replicate",
     "gather",
+    "gather_all",
+    "init_distributed",
     "parallel_apply",
     "plan",
     "replicate",
     "resolve_devices",
     "scatter",
     "scatter_kwargs",
+    "shard",
 ]

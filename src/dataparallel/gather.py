@@ -37,6 +37,9 @@ _SCALAR_MODES = ("mean", "sum", "stack")
 _NONE, _TENSOR, _ARRAY, _BOOL, _NUMBER, _LIST, _TUPLE, _NAMEDTUPLE = range(8)
 _MAPPING, _DATACLASS, _RECORD, _OTHER = range(8, 12)
 _STRUCTURES = frozenset((_LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _RECORD))
+# Exact types that hold no tensor and never move: per-sample lists of them (names, ids) are
+# checked and concatenated at C speed. Subclasses take the full walk.
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 _KINDS: dict[type, int] = {}
 _FIELDS: dict[type, tuple[str, ...]] = {}
 _MAX_CACHED = 4096  # classes made on the fly (a namedtuple per call) must not grow it forever
@@ -397,6 +400,13 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
     if any(len(v) != size for v, size in zip(values, sizes, strict=True)):
         return False
     for value, size in zip(values, sizes, strict=True):
+        types = set(map(type, value))
+        if types <= _ATOMS:
+            continue  # strings, numbers: no tensor to look at
+        if types == {torch.Tensor} and dim >= 0:
+            if any(t.ndim > dim and t.shape[dim] == size for t in value):
+                return False  # a batched tensor: the list is structure (torch's reading)
+            continue
         for item in value:
             if (
                 isinstance(item, (torch.Tensor, np.ndarray))
@@ -408,7 +418,17 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
 
 
 def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    items = [_to_target(item, ctx.target, path) for value in values for item in value]
+    target = ctx.target
+    items: list[Any] = []
+    for value in values:
+        types = set(map(type, value))
+        if types <= _ATOMS:
+            items.extend(value)  # nothing to move
+        elif types == {torch.Tensor}:
+            # What _to_target does for a tensor, minus the call when it is already there.
+            items.extend([t if t.device == target else t.to(target) for t in value])
+        else:
+            items.extend([_to_target(item, target, path) for item in value])
     return _rebuild_seq(values[0], items, path)
 
 

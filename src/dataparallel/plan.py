@@ -36,6 +36,10 @@ BROADCAST = "broadcast"
 
 _OPTION_NAMES = ("batch_size", "chunk_sizes", "weights", "max_size", "dtype", "strict")
 
+# Exact types that hold no tensor or ndarray: per-item checks skip them (a fast path only;
+# subclasses take the full walk).
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -82,7 +86,10 @@ class PerSampleNode(Node):
 
     def __init__(self, obj: Any, cast: bool) -> None:
         self.obj, self.cast = obj, cast
-        self.holds_arrays = any(contains_array(item) for item in obj)
+        # Names, ids, numbers: one C-speed look at the item types settles it.
+        self.holds_arrays = not set(map(type, obj)) <= _ATOMS and any(
+            contains_array(item) for item in obj
+        )
 
 
 class BroadcastNode(Node):
@@ -268,12 +275,23 @@ class _Collector:
     def _list_kind(self, obj: list[Any]) -> str:
         """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list."""
         first = obj[0]
+        # The kind of an item depends only on its type: one type, one kind (the common case,
+        # checked at C speed); only a mix of types needs the item-by-item test.
+        types = set(map(type, obj))
         if isinstance(first, torch.Tensor):
-            if not all(isinstance(x, torch.Tensor) for x in obj):
+            if len(types) > 1 and not all(isinstance(x, torch.Tensor) for x in obj):
                 return "structure"
-            sizes = {_size_along(x, self.dim) for x in obj}
-            if len(sizes) == 1 and None not in sizes:
-                return "tensorlist"
+            # A tensor list needs one common size: stop at the first item that differs
+            # (boxes of varying counts differ within the first few).
+            dim = self.dim
+            common = _size_along(first, dim)
+            if common is None:
+                return "sequence"
+            for x in obj:
+                if _size_along(x, dim) != common:
+                    return "sequence"
+            return "tensorlist"
+        if len(types) == 1:
             return "sequence"
         kind = _item_kind(first)
         if all(_item_kind(x) == kind for x in obj):
@@ -332,6 +350,16 @@ def _decide_batch_size(
 # Pass 2: with B known, give every leaf its rule.
 
 
+def _describe(obj: Any) -> str:
+    """``describe(obj)``, with the item types of a long list or tuple found at C speed."""
+    if type(obj) in (list, tuple) and len(obj) > 8:
+        names = {
+            "Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))
+        }
+        return f"{type(obj).__name__}[{len(obj)}] of {'/'.join(sorted(names))}"
+    return describe(obj)
+
+
 class _Compiler:
     def __init__(
         self, batch: int, dim: int, voters: str, strict: bool, cast: bool, lost_ties: list[int]
@@ -347,7 +375,7 @@ class _Compiler:
         self.notes: list[str] = []
 
     def entry(self, info: _Info, rule: str, why: str) -> None:
-        self.entries.append(Entry(info.path, rule, why, describe(info.obj)))
+        self.entries.append(Entry(info.path, rule, why, _describe(info.obj)))
 
     def mismatch(self, path: str, found: str) -> None:
         if self.strict:

@@ -47,9 +47,9 @@ from dataparallel.devices import DeviceSpec, resolve_devices
 
 __all__ = ["clear_replica_cache", "fresh_replicate", "replicate"]
 
-# Keys of a module's __dict__ that a replica owns itself (everything else is mirrored).
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
+# One fused call for many buffer copies (private in torch, present since 2.1).
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 _BASE_SETATTR = nn.Module.__setattr__
 
 _LOCK = threading.RLock()
@@ -73,8 +73,6 @@ def _fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
     """
     modules: list[nn.Module] = []
     seen: set[int] = set()
-    sig: list[Any] = []
-    add, extend = sig.append, sig.extend
     stack = [root]
     while stack:
         module = stack.pop()
@@ -82,19 +80,51 @@ def _fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
             continue
         seen.add(id(module))
         modules.append(module)
-        d = module.__dict__
-        # Hook counts: a new hook re-runs the self-reference check of a rebuild.
-        add((type(module), id(module), *[len(d.get(h, ())) for h in _HOOK_DICTS]))
-        children = d["_modules"]
-        for name, child in children.items():
-            extend((name, None if child is None else id(child)))
-        for name, p in d["_parameters"].items():
-            extend((name, None) if p is None else (name, id(p), p.shape, p.dtype, p.device))
-        for name, b in d["_buffers"].items():
-            extend((name, None) if b is None else (name, b.shape, b.dtype, b.device))
-        add(0)  # end of this module
+        children = module.__dict__["_modules"]
         stack.extend(c for c in reversed(children.values()) if c is not None)
-    return modules, sig
+    return modules, _signature(modules)
+
+
+def _signature(modules: list[nn.Module]) -> list[Any]:
+    """What defines the structure of ``modules`` (a preorder walk): checked on every call.
+
+    Taken over the cached preorder list, it equals the signature of a fresh walk whenever the
+    structure is unchanged, and differs from the cached one whenever it changed: a replaced
+    child shows in its parent's entry, which comes first in preorder.
+    """
+    sig: list[Any] = []
+    add = sig.append
+    for module in modules:
+        d = module.__dict__
+        get = d.get
+        # Hook counts: a new hook re-runs the self-reference check of a rebuild.
+        add(
+            (
+                type(module),
+                len(get("_forward_hooks", ())),
+                len(get("_forward_pre_hooks", ())),
+                len(get("_backward_hooks", ())),
+                len(get("_backward_pre_hooks", ())),
+            )
+        )
+        # Empty groups add nothing (most modules are leaves or hold no tensors); the tags keep
+        # the groups apart.
+        children = d["_modules"]
+        if children:
+            add(("m", *children))
+            add(tuple(map(id, children.values())))  # id(None) is no module's id
+        params = d["_parameters"]
+        if params:
+            add(("p", *params))
+            for p in params.values():
+                add(None if p is None else (id(p), p.shape, p.dtype, p.device))
+        buffers = d["_buffers"]
+        if buffers:
+            add(("b", *buffers))
+            for b in buffers.values():
+                add(None if b is None else (b.shape, b.dtype, b.device))
+        add(0)  # end of this module
+    return sig
 
 
 def _mentions(obj: Any, root: nn.Module, depth: int = 3) -> bool:
@@ -213,6 +243,10 @@ class _Replicas:
                     with torch.no_grad():
                         row.append(b.detach().to(device, copy=True))
             self.private.append(row)
+        # Per replica: the buffer slots it holds a private copy of (fixed per replica set).
+        self.private_slots: list[list[int]] = [
+            [i for i, mine in enumerate(row) if mine is not None] for row in self.private
+        ]
         # Parameter copies per target device key: tensors aligned with self.params (None where
         # the parameter lives on that device) and the (data_ptr, _version) they were made from.
         self.copies: dict[_Key, list[torch.Tensor | None]] = {}
@@ -223,6 +257,34 @@ class _Replicas:
         # Devices are part of the fingerprint, so which copies exist is fixed per set.
         self.param_keys = [_key(p.device) for p in self.params]
         self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
+        # Modules re-synced by the fast path of sync, and the (replica, module) pairs that
+        # need the full one.
+        self.simple = [
+            not (self.custom[i] or self.param_slots[i] or self.buffer_slots[i])
+            and not (self.none_params[i] or self.none_buffers[i])
+            for i in range(len(modules))
+        ]
+        # Per replica, the modules that need the full re-sync: (replica, index, its children
+        # (None for a custom replication), parameter and buffer names that hold None, names
+        # and slots of its parameters and of its buffers).
+        self.complex: list[list[tuple[Any, ...]]] = [
+            [
+                (
+                    self.replicas[j][i],
+                    i,
+                    None if self.custom[i] else self.children[j][i],
+                    self.none_params[i],
+                    self.none_buffers[i],
+                    tuple(name for name, _ in self.param_slots[i]),
+                    tuple(slot for _, slot in self.param_slots[i]),
+                    tuple(name for name, _ in self.buffer_slots[i]),
+                    tuple(slot for _, slot in self.buffer_slots[i]),
+                )
+                for i, ok in enumerate(self.simple)
+                if not ok
+            ]
+            for j in range(n)
+        ]
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -301,22 +363,33 @@ class _Replicas:
 
     def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
         grad = torch.is_grad_enabled()
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         for j, device in enumerate(self.devices):
             row = self.private[j]
-            for i, b in enumerate(buffers):
-                mine = row[i]
-                if mine is None:
-                    continue
+            for i in self.private_slots[j]:
+                b = buffers[i]
                 if grad and b.requires_grad:
                     # Differentiable, as torch broadcasts buffers that require grad.
                     row[i] = b.to(device) if _key(b.device) != self.keys[j] else b.clone()
                     continue
-                # Always: BatchNorm updates running stats without bumping _version, so no
-                # cheap test can tell that either side changed.
-                with torch.no_grad():
-                    mine.copy_(b)
+                dests.append(row[i])  # type: ignore[arg-type]
+                sources.append(b)
+        if dests:
+            # Always: BatchNorm updates running stats without bumping _version, so no cheap
+            # test can tell that either side changed. One fused call instead of one per buffer.
+            with torch.no_grad():
+                if _FOREACH_COPY is not None:
+                    _FOREACH_COPY(dests, sources)
+                else:  # pragma: no cover - torch without the fused copy
+                    for dest, source in zip(dests, sources, strict=True):
+                        dest.copy_(source)
 
     # -- the whole sync ---------------------------------------------------------------------
+
+    def unchanged(self, root: nn.Module) -> bool:
+        """Whether ``root``'s structure is still the one these replicas were built for."""
+        return _signature([root, *self.sources[1:]]) == self.sig  # type: ignore[list-item]
 
     def sync(self, root: nn.Module) -> list[nn.Module]:
         """Bring every replica in line with the module's current state; return the roots."""
@@ -324,44 +397,86 @@ class _Replicas:
         buffers = self._current_buffers(root)
         self._sync_buffers(buffers)
         sources: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
+        # Plain attributes, training flags and hooks: mirrored from the source. Each replica
+        # gets a new dictionary (one C-level copy costs less than clearing and refilling the
+        # old one) with fresh containers, so nothing a forward does to a replica outlives it.
+        dicts = [m.__dict__ for m in sources]
+        set_dict = object.__setattr__
+        new_od = OrderedDict
         for j in range(len(self.devices)):
+            for rep, src_dict, kids, simple in zip(
+                self.replicas[j], dicts, self.children[j], self.simple, strict=True
+            ):
+                if simple:  # no parameters, no buffers, no custom hooks: most modules
+                    d = src_dict.copy()
+                    d["_parameters"] = {}
+                    d["_modules"] = kids.copy()
+                    d["_is_replica"] = True
+                    d["_buffers"] = {}
+                    d["_former_parameters"] = new_od()
+                    set_dict(rep, "__dict__", d)
+        for j, records in enumerate(self.complex):
+            if not records:
+                continue
             tensors = per_device[j]
+            take_param = tensors.__getitem__
             private = self.private[j]
-            children = self.children[j]
-            for i, rep in enumerate(self.replicas[j]):
-                src = sources[i]
-                custom = self.custom[i]
-                d = rep.__dict__
-                d.clear()
-                # Plain attributes, training flags and hooks: mirrored from the source.
-                d.update(src._replicate_for_data_parallel().__dict__ if custom else src.__dict__)
-                none_params = self.none_params[i]
+            # The buffers replica j uses: the module's own where it has no private copy.
+            take_buffer = [
+                b if mine is None else mine for b, mine in zip(buffers, private, strict=True)
+            ]
+            take_buffer_at = take_buffer.__getitem__
+            for rep, i, kids, none_params, none_buffers, pnames, pslots, bnames, bslots in records:
+                if kids is None:  # a custom replication hook or __setattr__
+                    self._sync_custom(j, i, sources[i], tensors, take_buffer)
+                    continue
+                d = dicts[i].copy()
                 d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-                d["_modules"] = dict(children[i])
+                d["_modules"] = kids.copy()
                 d["_is_replica"] = True
-                bslots = self.buffer_slots[i]
-                if bslots or self.none_buffers[i]:
-                    bufs: dict[str, torch.Tensor | None] = dict.fromkeys(self.none_buffers[i])
-                    for name, slot in bslots:
-                        mine = private[slot]
-                        bufs[name] = buffers[slot] if mine is None else mine
+                if none_buffers:
+                    bufs: dict[str, torch.Tensor | None] = dict.fromkeys(none_buffers)
+                    bufs.update(zip(bnames, map(take_buffer_at, bslots), strict=True))
                     d["_buffers"] = bufs
                 else:
-                    d["_buffers"] = {}
-                pslots = self.param_slots[i]
-                attrs: OrderedDict[str, torch.Tensor] = OrderedDict()
-                for name, slot in pslots:
-                    attrs[name] = tensors[slot]
+                    d["_buffers"] = dict(zip(bnames, map(take_buffer_at, bslots), strict=True))
+                attrs = dict(zip(pnames, map(take_param, pslots), strict=True))
                 # torch exposes the copies here for DDP (#33907); harmless elsewhere.
-                d["_former_parameters"] = attrs
-                if pslots:
-                    if custom:
-                        for name, value in attrs.items():
-                            setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
-                        # setattr registers a same-device Parameter: keep replicas free of them.
-                        d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-                    d.update(attrs)
+                d["_former_parameters"] = new_od(attrs)
+                d.update(attrs)
+                set_dict(rep, "__dict__", d)
         return [reps[0] for reps in self.replicas]
+
+    def _sync_custom(
+        self,
+        j: int,
+        i: int,
+        src: nn.Module,
+        tensors: list[torch.Tensor],
+        take_buffer: list[torch.Tensor],
+    ) -> None:
+        """Re-sync replica ``j`` of a module with its own replication hook or ``__setattr__``."""
+        rep = self.replicas[j][i]
+        d = src._replicate_for_data_parallel().__dict__.copy()
+        none_params = self.none_params[i]
+        d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+        d["_modules"] = self.children[j][i].copy()
+        d["_is_replica"] = True
+        bufs: dict[str, torch.Tensor | None] = dict.fromkeys(self.none_buffers[i])
+        for name, slot in self.buffer_slots[i]:
+            bufs[name] = take_buffer[slot]
+        d["_buffers"] = bufs
+        pslots = self.param_slots[i]
+        attrs: OrderedDict[str, torch.Tensor] = OrderedDict(
+            [(name, tensors[slot]) for name, slot in pslots]
+        )
+        d["_former_parameters"] = attrs
+        object.__setattr__(rep, "__dict__", d)
+        if pslots:
+            for name, value in attrs.items():
+                setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
+            # setattr registers a same-device Parameter: keep replicas free of them.
+            rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
 
 
 def _is_scripted(modules: list[nn.Module]) -> bool:
@@ -418,11 +533,9 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
     with _LOCK:
         table = _CACHE.get(module)
         entry = None if table is None else table.get(resolved)
-        if entry is not None:
-            _, sig = _fingerprint(module)
-            if sig != entry.sig:
-                entry = None
-                del table[resolved]  # type: ignore[union-attr]
+        if entry is not None and not entry.unchanged(module):
+            entry = None
+            del table[resolved]  # type: ignore[union-attr]
         if entry is None:
             modules, _ = _fingerprint(module)
             if _is_scripted(modules):

@@ -46,6 +46,9 @@ def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
             return t
         return t.to(device=device, non_blocking=non_blocking)
 
+    # Without a cast, a tensor already on ``device`` is returned as is: per-sample lists test
+    # that inline instead of calling ``move`` for every item.
+    move.device = device if dtype is None else None  # type: ignore[attr-defined]
     return move
 
 
@@ -67,7 +70,17 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
         items = node.obj[start : start + length]
         if node.holds_arrays:
             fn = move if node.cast else move_plain
-            items = [map_tensors(item, fn) for item in items]
+            tensor = torch.Tensor
+            here = fn.device
+            # An exact tensor is moved directly (or kept, when it is already on the device and
+            # nothing is cast): what map_tensors would do, minus its walk.
+            if here is not None:
+                items = [
+                    x if type(x) is tensor and x.device == here else map_tensors(x, fn)
+                    for x in items
+                ]
+            else:
+                items = [fn(x) if type(x) is tensor else map_tensors(x, fn) for x in items]
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
         kind = "tuple" if isinstance(node.obj, tuple) else LIST

@@ -259,6 +259,8 @@ class DataParallel(nn.Module):
 
     def _check_module_device(self) -> None:
         device = self.src_device_obj
+        if _all_on(self.module, device):  # every call: the cheap walk, names only on failure
+            return
         for name, tensor in _named_tensors(self.module):
             if tensor.device != device:
                 raise RuntimeError(
@@ -283,6 +285,23 @@ def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
         return max(1, int(sum(chunk_sizes)))
     except TypeError:
         return 1
+
+
+def _all_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device`` (no names built)."""
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for group in (m._parameters, m._buffers):
+            for t in group.values():
+                if t is not None and t.device != device:
+                    return False
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return True
 
 
 def _named_tensors(module: nn.Module) -> Any:

@@ -1,0 +1,416 @@
+"""The CPU benchmark cases, each measured against its baseline in the same run.
+
+Every function takes the harness ``Settings`` and returns its ``Case`` list; none of them
+needs a GPU. ``QUICK`` is what ``dataparallel bench`` runs; ``FULL`` adds the peers that need
+extra software or processes (mmcv 1.x, the DDP path of ``bench_ddp.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
+from dataparallel.demo.models import Net
+from dataparallel.gather import gather
+from dataparallel.markers import Shared
+from dataparallel.plan import plan
+from dataparallel.replicate import fresh_replicate, replicate
+from dataparallel.scatter import scatter
+from dataparallel.wrapper import DataParallel
+
+__all__ = [
+    "FULL",
+    "QUICK",
+    "case_ddp",
+    "case_mmcv_scatter",
+    "case_plan_scaling",
+    "case_replicate",
+    "case_scatter_gather",
+    "case_train_step",
+    "heterogeneous_batch",
+    "many_module_net",
+]
+
+CaseFn = Callable[[Settings], list[Case]]
+CPU2 = ["cpu", "cpu"]
+BENCH_DIR = Path(__file__).resolve().parent
+DDP_TIMEOUT_S = 150
+
+
+def _pair(
+    name: str,
+    title: str,
+    stats: dict[str, Stats],
+    measured: str,
+    baseline: str,
+    *,
+    op: str = "<=",
+    target: float | list[float] | None,
+    what: str,
+    extra: dict[str, Any] | None = None,
+) -> Case:
+    ratio, of_medians = paired_ratio(stats[measured], stats[baseline])
+    return Case(
+        name,
+        title,
+        baseline,
+        measured,
+        stats,
+        ratio,
+        of_medians,
+        what,
+        op,
+        target,
+        extra=extra or {},
+    )
+
+
+# -- a. scatter + gather of a heterogeneous batch -------------------------------------------
+
+
+def heterogeneous_batch(batch: int = 256) -> tuple[Any, ...]:
+    """Images, per-sample boxes of varying counts, per-sample names, a shared table, a dict."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, 32, 32, generator=g)
+    counts = torch.randint(1, 21, (batch,), generator=g).tolist()  # never the chunk size
+    boxes = [torch.rand(k, 4, generator=g) for k in counts]
+    names = [f"sample-{i:05d}.png" for i in range(batch)]
+    table = torch.randn(1, 64, generator=g)
+    targets = {
+        "labels": torch.randint(0, 10, (batch,), generator=g),
+        "weights": torch.rand(batch, generator=g),
+    }
+    return images, boxes, names, Shared(table), targets
+
+
+def _bounds(batch: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(batch, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def _by_hand(inputs: tuple[Any, ...], devices: list[str]) -> tuple[Any, ...]:
+    """The floor: the same cuts, moves and concatenations written out for this one batch."""
+    images, boxes, names, shared, targets = inputs
+    table = shared.obj
+    bounds = _bounds(images.shape[0], len(devices))
+    sizes = [e - s for s, e in bounds]
+    image_parts = torch.split(images, sizes)
+    label_parts = torch.split(targets["labels"], sizes)
+    weight_parts = torch.split(targets["weights"], sizes)
+    chunks = []
+    for d, ((s, e), device) in enumerate(zip(bounds, devices, strict=True)):
+        chunks.append(
+            (
+                image_parts[d].to(device),
+                [b.to(device) for b in boxes[s:e]],
+                names[s:e],
+                table.to(device),
+                {"labels": label_parts[d].to(device), "weights": weight_parts[d].to(device)},
+            )
+        )
+    return (
+        torch.cat([c[0] for c in chunks]),
+        [b for c in chunks for b in c[1]],
+        [n for c in chunks for n in c[2]],
+        chunks[0][3],
+        {
+            "labels": torch.cat([c[4]["labels"] for c in chunks]),
+            "weights": torch.cat([c[4]["weights"] for c in chunks]),
+        },
+    )
+
+
+def _ours(inputs: tuple[Any, ...], devices: list[str]) -> Any:
+    return gather(scatter(inputs, devices), "cpu")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def case_scatter_gather(settings: Settings) -> list[Case]:
+    """(a) ``scatter`` then ``gather`` of a heterogeneous batch against the hand-written floor."""
+    inputs = heterogeneous_batch()
+    if not _same(_ours(inputs, CPU2), _by_hand(inputs, CPU2)):
+        raise RuntimeError("scatter+gather and the hand-written floor disagree")
+    stats = compare(
+        {"dataparallel": lambda: _ours(inputs, CPU2), "by hand": lambda: _by_hand(inputs, CPU2)},
+        settings,
+    )
+    return [
+        _pair(
+            "scatter_gather_hetero",
+            "scatter+gather, B=256 (images, 256 boxes, 256 names, Shared table, dict) "
+            "on 2 CPU devices vs torch.split/cat/slicing by hand",
+            stats,
+            "dataparallel",
+            "by hand",
+            target=2.0,
+            what="time / hand-written floor",
+        )
+    ]
+
+
+def case_mmcv_scatter(settings: Settings) -> list[Case]:
+    """mmcv 1.x's scatter of the same batch, as a peer, where mmcv 1.x is installed."""
+    title = "mmcv 1.x scatter_kwargs of the same batch (CPU) vs dataparallel scatter"
+    try:
+        import mmcv
+        from mmcv.parallel import scatter_kwargs
+    except Exception as exc:
+        return [
+            Case(
+                "mmcv_scatter_peer",
+                title,
+                skipped=f"mmcv 1.x not importable ({type(exc).__name__}: {exc}); PyPI has no "
+                "wheel of mmcv 1.7.2, only a source distribution whose build fails here "
+                "(its setup.py imports pkg_resources)",
+            )
+        ]
+    if not str(mmcv.__version__).startswith("1."):
+        return [Case("mmcv_scatter_peer", title, skipped=f"mmcv {mmcv.__version__} is not 1.x")]
+    inputs = heterogeneous_batch()
+    plain = (inputs[0], inputs[1], inputs[2], inputs[3].obj, inputs[4])
+    stats = compare(
+        {
+            "mmcv": lambda: scatter_kwargs(plain, {}, [-1]),  # -1: mmcv's CPU "device"
+            "dataparallel": lambda: scatter(inputs, ["cpu"]),
+        },
+        settings,
+    )
+    return [
+        _pair(
+            "mmcv_scatter_peer",
+            title,
+            stats,
+            "mmcv",
+            "dataparallel",
+            target=None,
+            what="mmcv time / dataparallel time (one CPU device, mmcv's CPU mode)",
+        )
+    ]
+
+
+# -- b. plan cost as leaves grow ------------------------------------------------------------
+
+LEAF_COUNTS = (1, 10, 100, 1000, 10000)
+
+
+def case_plan_scaling(settings: Settings) -> list[Case]:
+    """(b) ``dp.plan`` on a dict of 1..10,000 tensors: time per leaf, and linearity."""
+    batches = {n: {f"x{i}": torch.zeros(4, 2) for i in range(n)} for n in LEAF_COUNTS}
+
+    def planner(batch: dict[str, torch.Tensor]) -> Callable[[], object]:
+        return lambda: plan((batch,), None, CPU2)
+
+    stats = compare({f"{n} leaves": planner(batches[n]) for n in LEAF_COUNTS}, settings)
+    per_leaf = {str(n): stats[f"{n} leaves"].median / n for n in LEAF_COUNTS}
+    # Least-squares slope of log(time) on log(leaves) over 100..10,000: 1 is linear.
+    xs = [math.log(n) for n in LEAF_COUNTS if n >= 100]
+    ys = [math.log(stats[f"{n} leaves"].median) for n in LEAF_COUNTS if n >= 100]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    case = _pair(
+        "plan_scaling",
+        "dp.plan of a dict of N tensors on 2 CPU devices: time(10,000) / time(1,000)",
+        stats,
+        "10000 leaves",
+        "1000 leaves",
+        op="in",
+        target=[7.5, 12.5],
+        what="time(10,000 leaves) / time(1,000 leaves); linear is 10",
+        extra={"seconds_per_leaf": per_leaf, "loglog_slope_100_to_10000": slope},
+    )
+    return [case]
+
+
+# -- c. DataParallel on one CPU replica, training step --------------------------------------
+
+
+def case_train_step(settings: Settings) -> list[Case]:
+    """(c) One SGD step of the tutorial CNN at batch 32: ``DataParallel(net, ["cpu"])`` vs net."""
+    torch.manual_seed(0)
+    plain = Net(3, 32, 10)
+    wrapped = DataParallel(copy.deepcopy(plain), ["cpu"])
+    x = torch.randn(32, 3, 32, 32)
+    y = torch.randint(0, 10, (32,))
+
+    def stepper(model: nn.Module) -> Callable[[], None]:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        return step
+
+    stats = compare({"DataParallel": stepper(wrapped), "plain": stepper(plain)}, settings)
+    return [
+        _pair(
+            "dp_one_replica_train_step",
+            "training step (fwd, loss, bwd, SGD) of Net(3, 32, 10), batch 32: "
+            "DataParallel(net, ['cpu']) vs the plain module",
+            stats,
+            "DataParallel",
+            "plain",
+            target=1.03,
+            what="step time / plain step time",
+        )
+    ]
+
+
+# -- d. cached replicate against fresh replicas ---------------------------------------------
+
+
+def many_module_net(blocks: int = 50) -> nn.Module:
+    """A module of ``4 * blocks + 1`` submodules (251 by default): Linear, BatchNorm, ReLU,
+    Dropout per block, the mix of modules with and without tensors that real models have."""
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1))
+            for _ in range(blocks)
+        ]
+    )
+
+
+def case_replicate(settings: Settings) -> list[Case]:
+    """(d) ``replicate`` (cached) vs ``fresh_replicate``, 2 and 4 CPU replicas, both modes."""
+    net = many_module_net()
+    modules = sum(1 for _ in net.modules())
+    cases = []
+    for count in (2, 4):
+        devices = ["cpu"] * count
+        for mode, grad in (("inference", False), ("training", True)):
+            net.train(grad)
+
+            def cached(d: list[str] = devices, g: bool = grad) -> object:
+                with torch.set_grad_enabled(g):
+                    return replicate(net, d)
+
+            def fresh(d: list[str] = devices, g: bool = grad) -> object:
+                with torch.set_grad_enabled(g):
+                    return fresh_replicate(net, d)
+
+            stats = compare({"cached": cached, "fresh": fresh}, settings)
+            cases.append(
+                _pair(
+                    f"replicate_{count}x_{mode}",
+                    f"replicate of a {modules}-module net onto {count} CPU replicas, {mode} "
+                    f"({'grad enabled' if grad else 'torch.no_grad'}): cached vs fresh",
+                    stats,
+                    "cached",
+                    "fresh",
+                    target=0.1 if not grad else None,
+                    what="cached time / fresh_replicate time",
+                    extra={"modules": modules, "replicas": count},
+                )
+            )
+    return cases
+
+
+# -- e. the DDP path (bench_ddp.py, another author's script) --------------------------------
+
+
+def case_ddp(settings: Settings) -> list[Case]:
+    """(e) ``benchmarks/bench_ddp.py`` as a subprocess: our DDP path vs a plain DDP loop."""
+    title = (
+        "DDP training path, 2 gloo processes, samples/s: ours vs plain torch DDP "
+        "(stats: seconds per 1,000 samples)"
+    )
+    script = BENCH_DIR / "bench_ddp.py"
+    if not script.exists():
+        return [Case("ddp_path", title, skipped="benchmarks/bench_ddp.py does not exist yet")]
+    repeats = max(2, min(settings.repeats, 5))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.json"
+        cmd = [sys.executable, str(script), "--out", str(out), "--repeats", str(repeats)]
+        # A session of its own, so that a hang (a rendezvous that never completes) can be
+        # ended with every process it spawned.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=BENCH_DIR.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=DDP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return [
+                Case(
+                    "ddp_path",
+                    title,
+                    skipped=f"bench_ddp.py --repeats {repeats} ran past {DDP_TIMEOUT_S} s "
+                    "and was stopped (its processes hang or are too slow here)",
+                )
+            ]
+        if proc.returncode != 0 or not out.exists():
+            tail = " ".join((output or "").split()[-40:])
+            return [
+                Case("ddp_path", title, skipped=f"bench_ddp.py exited {proc.returncode}: {tail}")
+            ]
+        report = json.loads(out.read_text())
+    try:
+        rates = {w: [r["samples_per_s"] for r in runs] for w, runs in report["runs"].items()}
+        medians = report["samples_per_s_median"]
+        ratio = float(report["ratios"]["ours/plain"])
+        target = float(report.get("target_ratio", 0.97))
+    except (KeyError, TypeError, ValueError) as exc:
+        return [Case("ddp_path", title, skipped=f"bench_ddp.py's JSON lacks {exc!r}")]
+    # The harness reports seconds; here a "sample" is one epoch's seconds per 1,000 samples.
+    stats = {w: Stats.of([1000 / r for r in rs], 1) for w, rs in rates.items()}
+    return [
+        Case(
+            "ddp_path",
+            title,
+            "plain",
+            "ours",
+            stats,
+            ratio,
+            medians["ours"] / medians["plain"],
+            "samples/s of ours / samples/s of plain DDP",
+            ">=",
+            target,
+            extra={"bench_ddp": report},
+        )
+    ]
+
+
+QUICK: tuple[CaseFn, ...] = (
+    case_scatter_gather,
+    case_plan_scaling,
+    case_train_step,
+    case_replicate,
+)
+FULL: tuple[CaseFn, ...] = (*QUICK, case_mmcv_scatter, case_ddp)

@@ -1,0 +1,142 @@
+"""The launchers: two "nodes" on localhost, and a failing rank that must end the whole job."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataparallel.launch import free_port, launch
+
+from ._helpers import REPO, child_env
+
+JOB = "tests.distributed._job"
+
+
+def _launch_code(argv: list[str], nproc: int, **kwargs: object) -> str:
+    """A ``python -c`` program that runs our launch() and exits with its result."""
+    options = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+    return (
+        "import sys\nfrom dataparallel.launch import launch\n"
+        f"sys.exit(launch({argv!r}, {nproc}{options}, module={JOB!r}))\n"
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its (dead) parent to be reaped is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_nodes_on_localhost(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    node0 = [
+        sys.executable,
+        "-c",
+        _launch_code(
+            ["train", str(tmp_path)],
+            1,
+            nnodes=2,
+            node_rank=0,
+            rdzv_endpoint=endpoint,
+            rdzv_id="two-nodes",
+        ),
+    ]
+    node1 = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "two-nodes",
+        "--node-rank",
+        "1",
+        "-m",
+        JOB,
+        "train",
+        str(tmp_path),
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for cmd in (node0, node1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n-----\n".join(outputs)
+    assert sorted(f.read_text() for f in tmp_path.glob("ok-*")) == ["2 0", "2 0"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_failing_rank_ends_the_job_and_leaves_no_process(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _launch_code(["fail", str(tmp_path)], 2)],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stderr
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to end after a rank failed"
+    assert "rank 1 fails on purpose" in proc.stderr
+    assert (
+        "dataparallel launch: " in proc.stderr and "worker(s) failed; first: rank 1" in proc.stderr
+    )
+    pids = [int(f.read_text()) for f in sorted(tmp_path.glob("pid-*"))]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in pids if _pid_alive(pid)] == []
+
+
+def test_launch_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="nproc_per_node: expected an int >= 1, got 0"):
+        launch(["train"], 0)
+    with pytest.raises(
+        ValueError, match=r"nnodes=2: expected rdzv_endpoint='host:port' and rdzv_id"
+    ):
+        launch(["train"], 1, nnodes=2, node_rank=1)
+    with pytest.raises(ValueError, match="node_rank: expected 0 <= node_rank < nnodes=1, got 1"):
+        launch(["train"], 1, node_rank=1)
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    assert port != 29500
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))

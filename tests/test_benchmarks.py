@@ -1,0 +1,144 @@
+"""Smoke test of the benchmark suite: the quick set runs and its JSON has the documented shape.
+
+Timings are not asserted (the machine is shared); what is checked is that every case ran or
+says why not, that each figure is a positive number with its spread, and that ratios and
+verdicts agree with the figures they come from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from benchmarks.__main__ import main
+from benchmarks.cases import QUICK, _by_hand, _ours, heterogeneous_batch
+from benchmarks.harness import SCHEMA, Case, Settings, Stats, compare, paired_ratio
+
+QUICK_NAMES = {
+    "scatter_gather_hetero",
+    "plan_scaling",
+    "dp_one_replica_train_step",
+    "replicate_2x_inference",
+    "replicate_2x_training",
+    "replicate_4x_inference",
+    "replicate_4x_training",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    code = main(
+        ["--quick", "--repeats", "3", "--min-time", "0.002", "--warmup", "1", "--out", str(out)]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_quick_report_has_machine_and_settings(quick_report: dict) -> None:
+    assert quick_report["schema"] == SCHEMA
+    assert quick_report["suite"] == "quick"
+    machine = quick_report["machine"]
+    for key in ("cpu_count", "platform", "python", "torch", "device", "torch_threads"):
+        assert machine[key] not in (None, ""), key
+    assert quick_report["settings"]["repeats"] == 3
+    assert quick_report["settings"]["interleaved"] is True
+
+
+def test_quick_report_covers_every_quick_case(quick_report: dict) -> None:
+    names = {c["name"] for c in quick_report["cases"]}
+    assert names == QUICK_NAMES
+    summary = quick_report["summary"]
+    assert sum(summary.values()) == len(quick_report["cases"])
+
+
+def test_each_case_has_stats_ratio_and_verdict_consistent(quick_report: dict) -> None:
+    for case in quick_report["cases"]:
+        assert case["status"] == "ok", case["skipped_reason"]
+        stats = case["stats"]
+        assert case["measured"] in stats and case["baseline"] in stats
+        for s in stats.values():
+            assert s["n"] == 3 and len(s["samples_s"]) == 3
+            assert 0 < s["min_s"] <= s["q1_s"] <= s["median_s"] <= s["q3_s"] <= s["max_s"]
+            assert s["median_s"] == pytest.approx(statistics.median(s["samples_s"]))
+            assert s["iqr_s"] == pytest.approx(s["q3_s"] - s["q1_s"])
+        m, b = stats[case["measured"]], stats[case["baseline"]]
+        per_repeat = [x / y for x, y in zip(m["samples_s"], b["samples_s"], strict=True)]
+        assert case["ratio"] == pytest.approx(statistics.median(per_repeat))
+        assert case["ratio_of_medians"] == pytest.approx(m["median_s"] / b["median_s"])
+        target = case["target"]
+        if target is None:
+            assert case["met"] is None
+        elif target["op"] == "<=":
+            assert case["met"] == (case["ratio"] <= target["value"])
+        elif target["op"] == "in":
+            low, high = target["value"]
+            assert case["met"] == (low <= case["ratio"] <= high)
+
+
+def test_plan_scaling_reports_per_leaf_times(quick_report: dict) -> None:
+    case = next(c for c in quick_report["cases"] if c["name"] == "plan_scaling")
+    per_leaf = case["extra"]["seconds_per_leaf"]
+    assert set(per_leaf) == {"1", "10", "100", "1000", "10000"}
+    for n, seconds in per_leaf.items():
+        assert seconds == pytest.approx(case["stats"][f"{n} leaves"]["median_s"] / int(n))
+    assert math.isfinite(case["extra"]["loglog_slope_100_to_10000"])
+
+
+def test_replicate_cases_name_their_module_and_replicas(quick_report: dict) -> None:
+    for case in quick_report["cases"]:
+        if case["name"].startswith("replicate_"):
+            assert case["extra"]["modules"] >= 200
+            assert case["extra"]["replicas"] == int(case["name"].split("_")[1][0])
+
+
+def test_hand_written_floor_equals_our_round_trip() -> None:
+    # The floor is only a fair baseline if it does the same work: same values, same order.
+    batch = heterogeneous_batch(20)
+    ours, hand = _ours(batch, ["cpu", "cpu"]), _by_hand(batch, ["cpu", "cpu"])
+    assert ours[0].equal(hand[0]) and ours[3].equal(hand[3])
+    assert all(a.equal(b) for a, b in zip(ours[1], hand[1], strict=True))
+    assert ours[2] == hand[2] == batch[2]
+    assert ours[4].keys() == hand[4].keys()
+    assert all(ours[4][k].equal(hand[4][k]) for k in ours[4])
+
+
+def test_compare_interleaves_and_paired_ratio_is_median_of_pairs() -> None:
+    calls: list[str] = []
+    stats = compare(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        Settings(repeats=4, min_block_s=1e-9, warmup=0),
+    )
+    # calibration: one call each; then the order alternates ab, ba, ab, ba
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert stats["a"].n == stats["b"].n == 4
+    fake_m = Stats.of([2.0, 4.0, 9.0], 1)
+    fake_b = Stats.of([1.0, 1.0, 3.0], 1)
+    assert paired_ratio(fake_m, fake_b) == (3.0, 4.0 / 1.0)
+
+
+def test_case_verdicts() -> None:
+    assert Case("x", "t", ratio=1.5, target=2.0).met is True
+    assert Case("x", "t", ratio=0.95, op=">=", target=0.97).met is False
+    assert Case("x", "t", ratio=11.0, op="in", target=[7.5, 12.5]).met is True
+    assert Case("x", "t", ratio=1.0).met is None
+    assert Case("x", "t", skipped="why").to_json()["status"] == "skipped"
+
+
+def test_quick_set_is_the_documented_one() -> None:
+    assert [f.__name__ for f in QUICK] == [
+        "case_scatter_gather",
+        "case_plan_scaling",
+        "case_train_step",
+        "case_replicate",
+    ]
+
+
+def test_bad_arguments_exit_with_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--repeats", "0", "--out", str(tmp_path / "x.json")])
+    assert info.value.code == 2
+    assert not (tmp_path / "x.json").exists()
