@@ -132,7 +132,7 @@ def cut_batch(
         raise ValueError(
             f"max_size: a batch of {batch} on {n} device(s) needs chunks of up to {max(sizes)}, "
             f"expected at most {max_size} per device in one round; add devices, raise "
-            f"max_size, or use DataParallel, which runs the batch in waves"
+            f"max_size, or pass a smaller batch (DataParallel runs a large one in waves)"
         )
     # The fewest waves whose chunks all fit; waves as even as possible, larger first.
     positive = n if checked is None else sum(1 for w in checked if w > 0)

@@ -22,7 +22,7 @@ import os
 import pickle
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sized
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from dataparallel.devices import DeviceSpec, resolve_device
+from dataparallel.gather import first_batch_size, gather
+from dataparallel.tree import container_kind, contains_array, struct_items
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -229,40 +231,6 @@ def _local_device() -> torch.device:
     return _backend_device(None, 0)
 
 
-def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
-    """Split ``total`` proportionally to ``weights``; remainders go to the largest fractions."""
-    weight_sum = float(sum(weights))
-    shares = [total * float(w) / weight_sum for w in weights]
-    sizes = [int(s) for s in shares]
-    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - sizes[i]), i))
-    for i in order[: total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
-
-
-def _rank_sizes(planned: Any, world_size: int, opts: Mapping[str, Any]) -> list[int]:
-    """One chunk size per rank (0 for unused ranks) from a plan over ``world_size`` devices.
-
-    The plan lists only the devices it uses; all of them are the same device here, so which
-    ranks were skipped is recovered from the options: explicit ``chunk_sizes`` say it, weights
-    skip the ranks whose share rounds to 0, and the even default uses the first ranks.
-    """
-    used = [int(size) for size in planned.chunk_sizes]
-    if len(used) == world_size:
-        return used
-    if opts.get("chunk_sizes") is not None:
-        return [int(size) for size in opts["chunk_sizes"]]
-    if opts.get("weights") is not None:
-        sizes = _largest_remainder(sum(used), opts["weights"])
-        if [s for s in sizes if s] != used:
-            raise RuntimeError(
-                f"shard: cannot tell which ranks the plan skipped: weights {opts['weights']!r} "
-                f"give {sizes!r}, the plan used {used!r}; pass chunk_sizes= instead"
-            )
-        return sizes
-    return used + [0] * (world_size - len(used))
-
-
 def shard(
     batch: Any,
     rank: int | None = None,
@@ -298,21 +266,17 @@ def shard(
     >>> shard(torch.arange(5), rank=1, world_size=2, device="cpu")
     tensor([3, 4])
     """
-    from dataparallel.plan import plan
+    from dataparallel.plan import build_plan, check_options
     from dataparallel.scatter import take
 
+    check_options(opts)
     rank, world_size = _rank_and_size(rank, world_size)
     here = _local_device() if device is None else resolve_device(device, where="device")
-    planned = plan(batch, {}, [here] * world_size, dim, **opts)
-    if len(planned.waves) > 1:
-        raise ValueError(
-            f"max_size={opts.get('max_size')!r}: the batch of {planned.batch_size} does not fit "
-            f"in one round over {world_size} ranks (waves {planned.waves!r}); shard a smaller "
-            f"global batch, or raise max_size"
-        )
+    # one "device" per rank; a batch that needs waves under max_size is an error, as in scatter
+    planned = build_plan(batch, None, [here] * world_size, dim, allow_waves=False, **opts)
     for message in planned.warnings:
         warnings.warn(message, UserWarning, stacklevel=2)
-    sizes = _rank_sizes(planned, world_size, opts)
+    sizes = planned.device_sizes[0]  # one per rank, 0 for a rank past the batch
     start = sum(sizes[:rank])
     args, _kwargs = take(planned, start, sizes[rank], here)
     return args
@@ -353,38 +317,14 @@ def _to_cpu_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _children(obj: Any) -> list[Any] | None:
-    """The items of a container gather treats as structure or sequence, else ``None``."""
-    if isinstance(obj, Mapping):
-        return list(obj.values())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    if isinstance(obj, (list, tuple)):
-        return list(obj)
-    return None
-
-
-def _first_batch_size(obj: Any, dim: int) -> int | None:
-    """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return int(obj.shape[dim]) if obj.ndim > dim else None
-    for child in _children(obj) or ():
-        found = _first_batch_size(child, dim)
-        if found is not None:
-            return found
-    return None
-
-
-def _has_array(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return True
-    return any(_has_array(child) for child in _children(obj) or ())
-
-
 def _first_list_length(obj: Any) -> int | None:
+    """The length of the first list inside ``obj``, depth first."""
     if isinstance(obj, list):
         return len(obj)
-    for child in _children(obj) or ():
+    kind = container_kind(obj)
+    if kind is None:
+        return None
+    for child in struct_items(obj, kind)[1]:
         found = _first_list_length(child)
         if found is not None:
             return found
@@ -394,8 +334,8 @@ def _first_list_length(obj: Any) -> int | None:
 def _local_batch_size(obj: Any, dim: int) -> int | None:
     """This rank's chunk size: the first batched tensor or ndarray, else (when there is no
     tensor at all, e.g. a list of predicted labels) the length of the first list."""
-    found = _first_batch_size(obj, dim)
-    if found is None and not _has_array(obj):
+    found = first_batch_size(obj, dim)
+    if found is None and not contains_array(obj):
         found = _first_list_length(obj)
     return found
 
@@ -470,8 +410,6 @@ def gather_all(
     >>> gather_all({"pred": torch.tensor([1, 2]), "names": ["a", "b"]})  # one process
     {'pred': tensor([1, 2]), 'names': ['a', 'b']}
     """
-    from dataparallel.gather import gather
-
     here = _local_device() if device is None else resolve_device(device, where="device")
     local_size = _local_batch_size(obj, dim) if batch_size is None else int(batch_size)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -28,7 +28,7 @@ import torch
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 
-__all__ = ["ScalarMode", "gather"]
+__all__ = ["ScalarMode", "first_batch_size", "gather"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
 _SCALAR_MODES = ("mean", "sum", "stack")
@@ -178,7 +178,7 @@ def gather(
         # scalars into vectors, so it takes the full walk.
         return _to_target(values[0], target, None)
     if sizes is None:
-        found = [_first_batch_size(v, dim) for v in values]
+        found = [first_batch_size(v, dim) for v in values]
         sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
     return _gather(values, None, _Context(target, dim, sizes, scalars, len(values)))
 
@@ -201,7 +201,8 @@ def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _first_batch_size(obj: Any, dim: int) -> int | None:
+def first_batch_size(obj: Any, dim: int) -> int | None:
+    """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
     kind = _kind(obj)
     if kind in (_TENSOR, _ARRAY):
         return int(obj.shape[dim]) if -obj.ndim <= dim < obj.ndim else None
@@ -213,7 +214,7 @@ def _first_batch_size(obj: Any, dim: int) -> int | None:
     elif kind == _DATACLASS:
         children = (getattr(obj, name) for name in _fields(type(obj)))
     for child in children:
-        size = _first_batch_size(child, dim)
+        size = first_batch_size(child, dim)
         if size is not None:
             return size
     return None

@@ -16,15 +16,14 @@ import torch
 
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
-from dataparallel.plan import (
+from dataparallel.plan import build_plan, check_options
+from dataparallel.plan_model import (
     BroadcastNode,
     Node,
     PerSampleNode,
     Plan,
     SplitNode,
     StructNode,
-    build_plan,
-    check_options,
 )
 from dataparallel.tree import LIST, map_tensors, rebuild
 
