@@ -297,7 +297,6 @@ def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "bad lr": (["train", "--lr", "-1"], "--lr"),
         "devices with ddp": (["train", "--strategy", "ddp", "--devices", "cpu"], "--devices"),
         "unknown scenario": (["explain", "S9"], "'S9'"),
-        "bench": (["bench"], "not available yet"),
         "no command": ([], "expected a command"),
     }
 
@@ -316,7 +315,6 @@ def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "bad lr",
         "devices with ddp",
         "unknown scenario",
-        "bench",
         "no command",
     ],
 )
@@ -352,3 +350,18 @@ def test_real_entry_trains_and_reports_errors(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.startswith(ERROR_PREFIX) and bad.stderr.count("\n") == 1
+
+
+def test_bench_runs_the_quick_set_of_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dataparallel bench`` finds benchmarks/ beside src/ and runs its quick set; the set
+    itself is exercised for real by tests/test_benchmarks.py."""
+    import benchmarks.__main__ as bench
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
+    out = tmp_path / "quick.json"
+    assert main(["bench", "--out", str(out)]) == 0
+    assert main(["bench", "--full"]) == 0
+    assert seen == [["--quick", "--out", str(out)], []]

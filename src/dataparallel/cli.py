@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 __all__ = ["build_parser", "main"]
@@ -125,8 +126,35 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=_int_at_least(1), help="batch size for --data")
     e.add_argument("--devices", default="auto", help='devices for --data, e.g. "cpu,cpu"')
 
-    sub.add_parser("bench", help="measure overhead and scaling (not available yet)")
+    b = sub.add_parser(
+        "bench",
+        help="measure overhead and scaling against baselines (the quick set)",
+        description="Run the quick benchmark set (ratios against baselines measured in the same "
+        "run), print a table and write JSON. Needs a source checkout (benchmarks/).",
+    )
+    b.add_argument("--full", action="store_true", help="the full set (about 1.5 minutes)")
+    b.add_argument("--out", help="JSON file (default: benchmarks/results/<timestamp>.json)")
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks`` (a folder of the source checkout, beside ``src/``)."""
+    from dataparallel.demo.options import UsageError
+
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks" / "__main__.py").is_file():
+        raise UsageError(
+            "bench: the benchmarks/ folder of a source checkout is needed; clone the "
+            "repository and run `make bench` there"
+        )
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    from benchmarks.__main__ import main as bench_main
+
+    argv = [] if args.full else ["--quick"]
+    if args.out:
+        argv += ["--out", args.out]
+    return bench_main(argv)
 
 
 def _explain(args: argparse.Namespace, out: TextIO) -> int:
@@ -207,10 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "explain":
             return _explain(args, sys.stdout)
         if args.command == "bench":
-            raise UsageError(
-                "bench: not available yet in this version; run the scripts in benchmarks/ "
-                "from a source checkout"
-            )
+            return _bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
     except (_UsageError, UsageError) as exc:
         message = " ".join(str(exc).split())  # one line, whatever the message held

@@ -9,7 +9,7 @@ executes for any slice of the batch. The rules are those of DESIGN.md, "The batc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -198,6 +198,9 @@ def _decide_batch_size(
         return first_split[1], f"dp.Split at {first_split[0]}", []
     if not votes:
         return 1, "default (no input has a batch dimension)", []
+    first = votes[0].size
+    if all(vote.size == first for vote in votes):  # the common case: every vote agrees
+        return first, f"vote ({len(votes)} of {len(votes)})", []
     counts: dict[int, int] = {}
     for vote in votes:
         counts[vote.size] = counts.get(vote.size, 0) + 1
@@ -215,32 +218,34 @@ def _decide_batch_size(
 # Pass 2: with B known, give every leaf its rule.
 
 
-def _describe(obj: Any) -> str:
-    """``describe(obj)``, with the item types of a long list or tuple found at C speed."""
-    if type(obj) in (list, tuple) and len(obj) > 8:
-        names = {
-            "Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))
-        }
-        return f"{type(obj).__name__}[{len(obj)}] of {'/'.join(sorted(names))}"
-    return describe(obj)
-
-
 class _Compiler:
     def __init__(
-        self, batch: int, dim: int, voters: str, strict: bool, cast: bool, lost_ties: list[int]
+        self,
+        batch: int,
+        dim: int,
+        voters: Callable[[], str],
+        strict: bool,
+        cast: bool,
+        lost_ties: list[int],
     ) -> None:
         self.batch = batch
         self.lost_ties = lost_ties
         self.dim = dim
-        self.voters = voters
+        self._voters = voters
         self.strict = strict
         self.cast = cast
-        self.entries: list[Entry] = []
+        # (path, rule, why, value): formatted into Entry objects only when someone reads them
+        self.entries: list[tuple[str, str, str, Any]] = []
         self.mismatched: list[tuple[str, str]] = []  # (path, what was found)
         self.notes: list[str] = []
 
     def entry(self, info: _Info, rule: str, why: str) -> None:
-        self.entries.append(Entry(info.path, rule, why, _describe(info.obj)))
+        self.entries.append((info.path, rule, why, info.obj))
+
+    @property
+    def voters(self) -> str:
+        """Who set the batch size, as a phrase for messages (built only when one is needed)."""
+        return self._voters()
 
     def mismatch(self, path: str, found: str) -> None:
         if self.strict:
@@ -299,11 +304,11 @@ class _Compiler:
             for i, t in enumerate(obj):
                 path = f"{info.path}[{i}]"
                 self.entries.append(
-                    Entry(
+                    (
                         path,
                         SPLIT,
                         f"item of a tensor list whose common size {b} is the batch size",
-                        describe(t),
+                        t,
                     )
                 )
                 children.append(SplitNode(t, self.dim, self.cast))
@@ -417,7 +422,10 @@ def build_plan(
             f"the batch size is 0 (decided by {how}): expected at least one sample; an empty "
             f"batch has nothing to run, skip the call or pass batch_size=N"
         )
-    voters = _voters_phrase(batch, how, collector.votes)
+
+    def voters() -> str:
+        return _voters_phrase(batch, how, collector.votes)
+
     compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None, lost_ties=lost_ties)
     if is_tuple:
         root_args: Node = StructNode(
@@ -451,12 +459,14 @@ def build_plan(
     used = [i for i, total in enumerate(totals) if total]
     warnings = list(compiler.notes)
     if compiler.mismatched:
-        warnings.insert(0, _warning_text(batch, how, voters, collector.votes, compiler.mismatched))
+        warnings.insert(
+            0, _warning_text(batch, how, voters(), collector.votes, compiler.mismatched)
+        )
     return Plan(
         batch_size=batch,
         devices=[devices[i] for i in used],
         chunk_sizes=[totals[i] for i in used],
-        entries=compiler.entries,
+        entry_records=compiler.entries,
         votes=collector.votes,
         waves=[[s for s in wave if s] for wave in waves],
         device_sizes=waves,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dataparallel.tree import contains_array
+from dataparallel.tree import contains_array, describe
 
 # Exact types that hold no tensor or ndarray: per-item checks skip them (a fast path only;
 # subclasses take the full walk).
@@ -124,7 +124,7 @@ class Plan:
     batch_size: int
     devices: list[torch.device]
     chunk_sizes: list[int]
-    entries: list[Entry]
+    entry_records: list[tuple[str, str, str, Any]]
     votes: list[Vote]
     waves: list[list[int]]
     decided_by: str
@@ -140,8 +140,30 @@ class Plan:
     device_sizes: list[list[int]] = field(default_factory=list, repr=False)
     warning_key: tuple[str, ...] = field(default=(), repr=False)
 
+    @property
+    def entries(self) -> list[Entry]:
+        """One ``Entry`` per leaf, formatted on first use (the hot path never reads them)."""
+        cached: list[Entry] | None = self.__dict__.get("_entries")
+        if cached is None:
+            cached = [
+                Entry(path, rule, why, describe_leaf(value))
+                for path, rule, why, value in self.entry_records
+            ]
+            self.__dict__["_entries"] = cached
+        return cached
+
     def __str__(self) -> str:
         return format_plan(self)
+
+
+def describe_leaf(obj: Any) -> str:
+    """``describe(obj)``, with the item types of a long list or tuple found at C speed."""
+    if type(obj) in (list, tuple) and len(obj) > 8:
+        names = {
+            "Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))
+        }
+        return f"{type(obj).__name__}[{len(obj)}] of {'/'.join(sorted(names))}"
+    return describe(obj)
 
 
 def format_plan(p: Plan) -> str:
