@@ -75,8 +75,11 @@ def test_replicas_are_invisible_to_the_module() -> None:
     keys = list(model.state_dict())
     replicas = replicate(model, CPU3)
     assert list(model.state_dict()) == keys
-    assert all(list(r.parameters()) == [] for r in replicas)  # torch's replicas too
-    assert not any(r is m for r in replicas for m in model.modules())
+    # Replica 0 on the module's own device is the module itself (nothing to copy or re-sync);
+    # the others are replicas as torch makes them: no registered parameters, not submodules.
+    assert replicas[0] is model
+    assert all(list(r.parameters()) == [] for r in replicas[1:])  # torch's replicas too
+    assert not any(r is m for r in replicas[1:] for m in model.modules())
     # A replica's state_dict holds only buffers, never the module itself.
     assert set(replicas[1].state_dict()) <= {k for k in keys if "bn." in k}
 
@@ -88,9 +91,9 @@ def test_second_call_reuses_replicas_and_fresh_replicate_does_not() -> None:
     assert all(a is b for a, b in zip(first, second, strict=True))
     assert all(a.fc1 is b.fc1 for a, b in zip(first, second, strict=True))
     other = replicate(model, ["cpu", "cpu"])  # another device tuple, another set
-    assert other[0] is not first[0]
+    assert other[1] is not first[1]
     fresh = fresh_replicate(model, CPU3)
-    assert not any(a is b for a, b in zip(first, fresh, strict=True))
+    assert not any(a is b for a, b in zip(first[1:], fresh[1:], strict=True))
     x = torch.randn(4, 5)
     model.eval()
     torch.testing.assert_close(fresh_replicate(model, CPU3)[2](x), model(x))
@@ -114,7 +117,7 @@ def test_structural_change_rebuilds(change: str) -> None:
     else:
         model.fc1.register_forward_hook(lambda m, i, o: None)
     after = replicate(model, CPU3)
-    assert after[0] is not before[0]
+    assert after[1] is not before[1]
     x = torch.randn(6, 5, dtype=next(model.parameters()).dtype)
     for r in after:
         torch.testing.assert_close(r(x), model(x))
@@ -279,9 +282,9 @@ def test_clear_replica_cache_forces_a_rebuild() -> None:
     model = _net()
     first = replicate(model, CPU3)
     clear_replica_cache(model)
-    assert replicate(model, CPU3)[0] is not first[0]
+    assert replicate(model, CPU3)[1] is not first[1]
     clear_replica_cache()
-    assert replicate(model, CPU3)[0] is not first[0]
+    assert replicate(model, CPU3)[1] is not first[1]
 
 
 def test_bad_arguments_are_reported() -> None:

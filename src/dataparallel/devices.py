@@ -118,8 +118,18 @@ def resolve_devices(
     return [resolve_device(spec, where=f"{where}[{i}]") for i, spec in enumerate(items)]
 
 
+# torch.device objects already checked by target_device: a gather runs on every forward call,
+# and checking the same device again each time costs more than the rest of a small gather.
+_CHECKED: set[torch.device] = set()
+
+
 def target_device(spec: DeviceSpec | None, *, where: str = "target_device") -> torch.device:
     """The device a gather lands on: ``-1`` and ``"cpu"`` mean the CPU, as in torch."""
+    if type(spec) is torch.device and spec in _CHECKED:
+        return spec
     if spec is None or (isinstance(spec, int) and not isinstance(spec, bool) and spec == -1):
         return torch.device("cpu")
-    return resolve_device(spec, where=where)
+    device = resolve_device(spec, where=where)
+    if type(spec) is torch.device and device == spec:
+        _CHECKED.add(device)
+    return device

@@ -257,6 +257,12 @@ class _Replicas:
         # Devices are part of the fingerprint, so which copies exist is fixed per set.
         self.param_keys = [_key(p.device) for p in self.params]
         self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
+        # Replica 0 is the module itself when everything it holds lives on replica 0's device:
+        # it would share every parameter and buffer anyway, and then needs no re-sync at all.
+        # (The module is returned by sync, never stored: the cache holds it only weakly.)
+        self.own = all(k == self.keys[0] for k in self.param_keys) and all(
+            _key(b.device) == self.keys[0] for b in self.buffers
+        )
         # Modules re-synced by the fast path of sync, and the (replica, module) pairs that
         # need the full one.
         self.simple = [
@@ -403,7 +409,8 @@ class _Replicas:
         dicts = [m.__dict__ for m in sources]
         set_dict = object.__setattr__
         new_od = OrderedDict
-        for j in range(len(self.devices)):
+        first = 1 if self.own else 0
+        for j in range(first, len(self.devices)):
             for rep, src_dict, kids, simple in zip(
                 self.replicas[j], dicts, self.children[j], self.simple, strict=True
             ):
@@ -416,7 +423,7 @@ class _Replicas:
                     d["_former_parameters"] = new_od()
                     set_dict(rep, "__dict__", d)
         for j, records in enumerate(self.complex):
-            if not records:
+            if not records or j < first:
                 continue
             tensors = per_device[j]
             take_param = tensors.__getitem__
@@ -445,7 +452,10 @@ class _Replicas:
                 d["_former_parameters"] = new_od(attrs)
                 d.update(attrs)
                 set_dict(rep, "__dict__", d)
-        return [reps[0] for reps in self.replicas]
+        replicas = [reps[0] for reps in self.replicas]
+        if self.own:
+            replicas[0] = root
+        return replicas
 
     def _sync_custom(
         self,

@@ -151,8 +151,9 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter the batch, replicate the module, run the replicas, gather their outputs."""
         self._check_module_device()
-        plan = self.explain(*inputs, **kwargs)
-        self._warn_once(plan)
+        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        if plan.warnings:
+            self._warn_once(plan)
         outputs: list[Any] = []
         devices: list[torch.device] = []
         sizes: list[int] = []
@@ -175,7 +176,9 @@ class DataParallel(nn.Module):
             devices.extend(wave_devices)
             sizes.extend(length for _, _, length in wave[: len(wave_outputs)])
             seconds.extend(timings or [float("nan")] * len(wave))
-        self.last_call = CallStats(
+        # Straight into __dict__: nn.Module.__setattr__ (which would put it there too) costs
+        # more than the rest of this bookkeeping, on every call.
+        self.__dict__["last_call"] = CallStats(
             [str(d) for d in devices], sizes, seconds, waves=len(plan.slices)
         )
         if not self.gather_outputs:

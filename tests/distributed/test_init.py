@@ -85,7 +85,10 @@ def test_shard_splits_as_scatter_with_explicit_ranks() -> None:
 
 
 def test_shard_rejects_a_batch_that_needs_waves() -> None:
-    with pytest.raises(ValueError, match=r"max_size: a batch of 7 on 2 device\(s\) needs chunks of up to 4, expected at most 2"):
+    needs_waves = (
+        r"max_size: a batch of 7 on 2 device\(s\) needs chunks of up to 4, expected at most 2"
+    )
+    with pytest.raises(ValueError, match=needs_waves):
         shard(torch.arange(7), rank=0, world_size=2, device="cpu", max_size=2)
 
 
