@@ -168,14 +168,35 @@ def test_parameters_on_another_device_are_copied_differentiably_then_cached() ->
     with torch.no_grad():
         a = replicate(model, ["cpu", "meta"])[1].lin.weight
         b = replicate(model, ["cpu", "meta"])[1].lin.weight
-        assert a.grad_fn is None and a is b  # inference: unchanged, not copied again
-        model.lin.weight.add_(1.0)  # in place: _version moves
+        assert a.grad_fn is None and a is b  # inference: the copy is reused, refreshed in place
+        model.lin.weight.add_(1.0)
         c = replicate(model, ["cpu", "meta"])[1].lin.weight
-        assert c is not b
+        assert c is b
         model.lin.weight = nn.Parameter(torch.zeros(3, 3))  # replaced: a rebuild
         d = replicate(model, ["cpu", "meta"])[1].lin.weight
         assert d is not c and d.shape == (3, 3)
     assert replicas[1].count.device.type == "meta"
+
+
+@pytest.mark.parametrize("how", ["add_", "data", "no version bump"])
+def test_inference_copies_on_another_device_follow_every_change(how: str) -> None:
+    # "cpu:1" is a device of its own to replicate (copies are made) while its tensors are real
+    # CPU tensors, so the values of a cross-device copy can be checked without a GPU.
+    model = _Probe().eval()
+    devices = [torch.device("cpu"), torch.device("cpu", 1)]
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        first = replicate(model, devices)[1]
+        assert first.lin.weight is not model.lin.weight
+        if how == "add_":
+            model.lin.weight.add_(1.0)
+        elif how == "data":
+            model.lin.weight.data.mul_(0.5)  # escapes _version
+        else:  # what fused optimizers do: write the storage, _version untouched
+            torch._foreach_mul_([model.lin.weight.data], 3.0)
+        replica = replicate(model, devices)[1]
+        torch.testing.assert_close(replica.lin.weight, model.lin.weight)
+        torch.testing.assert_close(replica(x), model(x))
 
 
 def test_batchnorm_statistics_come_from_replica_zero() -> None:

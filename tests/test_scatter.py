@@ -136,3 +136,48 @@ def test_warning_shows_once_per_place() -> None:
         for _ in range(3):
             dp.scatter((torch.zeros(4, 2), torch.zeros(1, 2)), CPU2)
     assert len(caught) == 1
+
+
+def test_shared_inside_a_per_sample_list_is_moved_but_not_cast() -> None:
+    items = [dp.Shared(torch.zeros(3)), dp.Shared(torch.ones(3))]
+    chunks = dp.scatter((items, torch.zeros(2, 3)), CPU2, dtype=torch.float16)
+    assert [c[0][0].dtype for c in chunks] == [torch.float32, torch.float32]
+    assert all(c[1].dtype == torch.float16 for c in chunks)
+    # and inside a broadcast list (another length than the batch)
+    chunks = dp.scatter(
+        ([dp.Shared(torch.zeros(1))] * 3, torch.zeros(2, 3)), CPU2, dtype=torch.half
+    )
+    assert chunks[0][0][0].dtype == torch.float32
+
+
+def test_split_of_a_namedtuple_gives_plain_tuples() -> None:
+    from collections import namedtuple
+
+    four = namedtuple("four", "a b c d")
+    chunks = dp.scatter((dp.Split(four(1, 2, 3, 4)),), CPU2)
+    assert [c[0] for c in chunks] == [(1, 2), (3, 4)]
+
+
+def test_an_iterator_shared_by_several_chunks_is_an_error() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"args\[1\]: an iterator or generator, expected a value "
+        r"that 2 chunks can share.*pass list\(...\)",
+    ):
+        dp.scatter((torch.zeros(4, 2), iter(range(6))), CPU2)
+    gen = (i for i in range(3))
+    ((_, same),) = dp.scatter((torch.zeros(4, 2), gen), ["cpu"])  # one chunk: nothing races
+    assert same is gen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dim": True}, TypeError, r"dim: expected an int \(the batch dimension\), got True"),
+        ({"batch_size": 0}, ValueError, r"batch_size: expected an int >= 1 .*got 0"),
+        ({"dtype": "half"}, TypeError, r"dtype: expected a torch.dtype"),
+    ],
+)
+def test_bad_call_options(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        dp.scatter((torch.zeros(4, 2),), CPU2, **kwargs)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ executes for any slice of the batch. The rules are those of DESIGN.md, "The batc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,7 @@ class _Collector:
         self.dim = dim
         self.votes: list[Vote] = []
         self.first_split: tuple[str, int] | None = None
+        self.iterators: list[str] = []  # paths of iterators, which replicas cannot share
         self.axis = f"dim {dim}"
 
     def visit(self, obj: Any, path: str) -> _Info:
@@ -128,6 +129,8 @@ class _Collector:
                 return info
         container = container_kind(obj)
         if container is None:
+            if isinstance(obj, Iterator):
+                self.iterators.append(path)
             return _Info("other", obj, path)
         info = _Info(container, obj, path)
         info.keys, values = struct_items(obj, container)
@@ -191,8 +194,11 @@ def _decide_batch_size(
 ) -> tuple[int, str, list[int]]:
     """``B`` and a phrase saying how it was decided: option, first ``dp.Split``, or vote."""
     if batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"batch_size: expected an int >= 1 (the number of samples in the call), got "
+                f"{batch_size!r}; pass None to let the inputs vote"
+            )
         return batch_size, "batch_size=", []
     if first_split is not None:
         return first_split[1], f"dp.Split at {first_split[0]}", []
@@ -405,6 +411,8 @@ def build_plan(
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs: expected a dict of keyword arguments, got {describe(kwargs)}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int (the batch dimension), got {dim!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype such as torch.float16, got {dtype!r}")
     collector = _Collector(dim)
@@ -445,6 +453,14 @@ def build_plan(
         max_size=max_size,
         allow_waves=allow_waves,
     )
+    chunks = sum(1 for wave in waves for size in wave if size)
+    if collector.iterators and chunks > 1:
+        raise ValueError(
+            f"{', '.join(collector.iterators)}: an iterator or generator, expected a value that "
+            f"{chunks} chunks can share: the first replica to read it would consume it and the "
+            f"others would see nothing; pass list(...) instead (split per sample when it has "
+            f"the batch size, else broadcast)"
+        )
     slices: list[list[tuple[torch.device, int, int]]] = []
     start = 0
     totals = [0] * len(devices)

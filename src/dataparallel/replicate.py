@@ -11,9 +11,9 @@ side table keyed weakly on the module; each call only re-syncs what can change b
   gradient lands on it directly). On another device, under autograd (grad enabled and some
   parameter requires grad), every call makes fresh differentiable copies (torch's
   ``Broadcast`` between CUDA devices, ``param.to(device)`` otherwise), so gradients flow back
-  to the module's own parameters. In inference a copy is remade only when its parameter
-  changed, judged by ``data_ptr()`` and ``_version`` (in-place changes made through
-  ``param.data`` escape ``_version``: call :func:`clear_replica_cache` after those);
+  to the module's own parameters. In inference the copies are refreshed in place, in one fused
+  copy per call (no cheap test can tell a parameter changed: fused optimizers and ``p.data``
+  updates do not bump ``_version``);
 - buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
   running statistics update exactly as in torch, from replica 0's chunk; every other replica
   has private copies, re-synced with ``copy_`` each call, so no two threads write one tensor.
@@ -248,12 +248,14 @@ class _Replicas:
             [i for i, mine in enumerate(row) if mine is not None] for row in self.private
         ]
         # Parameter copies per target device key: tensors aligned with self.params (None where
-        # the parameter lives on that device) and the (data_ptr, _version) they were made from.
+        # the parameter lives on that device).
         self.copies: dict[_Key, list[torch.Tensor | None]] = {}
-        self.copy_keys: dict[_Key, list[tuple[int, int] | None]] = {}
+        # Whether each copy is this set's own tensor (refreshed in place in inference) rather
+        # than one bound to an autograd graph (replaced on the next call).
+        self.copy_keys: dict[_Key, list[bool]] = {}
         for k in dict.fromkeys(self.keys):
             self.copies[k] = [None] * len(self.params)
-            self.copy_keys[k] = [None] * len(self.params)
+            self.copy_keys[k] = [False] * len(self.params)
         # Devices are part of the fingerprint, so which copies exist is fixed per set.
         self.param_keys = [_key(p.device) for p in self.params]
         self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
@@ -331,26 +333,45 @@ class _Replicas:
                 for d, k in enumerate(dests, start=1):
                     for s, i in enumerate(slots):
                         self.copies[k][i] = out[d * n + s]
-                        self.copy_keys[k][i] = None  # graph-bound: never reused
+                        self.copy_keys[k][i] = False  # graph-bound: never refreshed in place
             else:
                 for k in dests:
                     device = torch.device(*k)
                     for i in slots:
                         self.copies[k][i] = params[i].to(device)
-                        self.copy_keys[k][i] = None
+                        self.copy_keys[k][i] = False
 
     def _copy_changed(self, targets: list[_Key]) -> None:
+        """Inference: refresh the copies on other devices from the module's parameters.
+
+        Every call copies (one fused copy into the existing tensors): no cheap test tells that a
+        parameter changed, since fused optimizers and ``p.data`` updates do not bump
+        ``_version``. A copy is allocated only where none can be reused (none yet, a copy
+        bound to an autograd graph, or a new shape or dtype).
+        """
         with torch.no_grad():
             for k in targets:
-                copies, keys = self.copies[k], self.copy_keys[k]
+                copies, reusable = self.copies[k], self.copy_keys[k]
                 device = torch.device(*k)
+                dests: list[torch.Tensor] = []
+                sources: list[torch.Tensor] = []
                 for i, (p, pk) in enumerate(zip(self.params, self.param_keys, strict=True)):
                     if pk == k:
                         continue
-                    stamp = (p.data_ptr(), p._version)
-                    if keys[i] != stamp or copies[i] is None:
+                    c = copies[i]
+                    if c is None or not reusable[i] or c.shape != p.shape or c.dtype != p.dtype:
                         copies[i] = p.detach().to(device, copy=True)
-                        keys[i] = stamp
+                        reusable[i] = True
+                    else:
+                        dests.append(c)
+                        sources.append(p.detach())
+                if not dests:
+                    continue
+                if _FOREACH_COPY is not None:
+                    _FOREACH_COPY(dests, sources)
+                else:  # pragma: no cover - torch without the fused copy
+                    for dest, source in zip(dests, sources, strict=True):
+                        dest.copy_(source)
 
     # -- buffers ----------------------------------------------------------------------------
 

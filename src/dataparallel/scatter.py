@@ -75,19 +75,22 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
             # nothing is cast): what map_tensors would do, minus its walk.
             if here is not None:
                 items = [
-                    x if type(x) is tensor and x.device == here else map_tensors(x, fn)
+                    x if type(x) is tensor and x.device == here else map_tensors(x, fn, move_plain)
                     for x in items
                 ]
             else:
-                items = [fn(x) if type(x) is tensor else map_tensors(x, fn) for x in items]
+                items = [
+                    fn(x) if type(x) is tensor else map_tensors(x, fn, move_plain) for x in items
+                ]
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
-        kind = "tuple" if isinstance(node.obj, tuple) else LIST
-        return rebuild(kind, node.obj, [], items)
+        if isinstance(node.obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
+            return tuple(items)
+        return rebuild(LIST, node.obj, [], items)
     if isinstance(node, BroadcastNode):
         if not node.moves:
             return node.obj
-        return map_tensors(node.obj, move if node.cast else move_plain)
+        return map_tensors(node.obj, move if node.cast else move_plain, move_plain)
     raise TypeError(f"unknown plan node {node!r}")  # pragma: no cover - internal invariant
 
 

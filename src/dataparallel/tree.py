@@ -122,20 +122,28 @@ def rebuild(kind: str, template: Any, keys: list[Any], values: list[Any]) -> Any
     return new
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(
+    obj: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    shared_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Any:
     """Apply ``fn`` to every tensor inside nested containers; markers are unwrapped.
 
-    Other leaves are returned as they are (shared by reference).
+    Tensors inside a ``dp.Shared`` get ``shared_fn`` instead (scatter moves them without
+    casting them); other leaves are returned as they are (shared by reference).
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, (Shared, Split)):
-        return map_tensors(obj.obj, fn)
+    if isinstance(obj, Shared):
+        inner = fn if shared_fn is None else shared_fn
+        return map_tensors(obj.obj, inner, inner)
+    if isinstance(obj, Split):
+        return map_tensors(obj.obj, fn, shared_fn)
     kind = container_kind(obj)
     if kind is None:
         return obj
     keys, values = struct_items(obj, kind)
-    return rebuild(kind, obj, keys, [map_tensors(v, fn) for v in values])
+    return rebuild(kind, obj, keys, [map_tensors(v, fn, shared_fn) for v in values])
 
 
 def contains_array(obj: Any) -> bool:

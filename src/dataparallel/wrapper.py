@@ -9,6 +9,8 @@ a gather that knows each replica's chunk size.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -151,6 +153,13 @@ class DataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Scatter the batch, replicate the module, run the replicas, gather their outputs."""
         self._check_module_device()
+        try:
+            return self._forward(inputs, kwargs)
+        except RuntimeError:
+            self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
+            raise
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
         if plan.warnings:
             self._warn_once(plan)
@@ -172,6 +181,8 @@ class DataParallel(nn.Module):
                 wave_outputs = self._parallel_apply(
                     replicas, wave_inputs, wave_kwargs, wave_devices, timings
                 )
+                if replicas[0] is not self.module:
+                    _copy_buffers_back(replicas[0], self.module)
             outputs.extend(wave_outputs)
             devices.extend(wave_devices)
             sizes.extend(length for _, _, length in wave[: len(wave_outputs)])
@@ -211,7 +222,7 @@ class DataParallel(nn.Module):
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[Any]
     ) -> list[Any]:
         """torch's signature: run each replica on its inputs, on the pool's threads."""
-        devices = self.device_ids[: len(replicas)]
+        devices = self.__dict__.get("_wave_devices") or self.device_ids[: len(replicas)]
         return parallel_apply(replicas, inputs, kwargs, devices)
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
@@ -250,7 +261,12 @@ class DataParallel(nn.Module):
         timings: list[float],
     ) -> list[Any]:
         if type(self).parallel_apply is not DataParallel.parallel_apply:
-            return self.parallel_apply(replicas, inputs, kwargs)
+            # an override may call super().parallel_apply: it needs this wave's devices
+            self.__dict__["_wave_devices"] = devices
+            try:
+                return self.parallel_apply(replicas, inputs, kwargs)
+            finally:
+                self.__dict__.pop("_wave_devices", None)
         return parallel_apply(replicas, inputs, kwargs, devices, timings=timings)
 
     def _gather(self, outputs: list[Any], sizes: list[int] | None) -> Any:
@@ -261,8 +277,21 @@ class DataParallel(nn.Module):
         )
 
     def _check_module_device(self) -> None:
+        """The module must be on ``device_ids[0]``: checked in full on the first call, then
+        through two sentinel tensors (``model.to(...)`` moves them too), so a deep module does
+        not pay a walk over every parameter per call. A misplaced tensor the sentinels miss
+        makes torch raise in the forward, and ``forward`` then runs the full check."""
+        sentinels: list[torch.Tensor] | None = self.__dict__.get("_sentinels")
         device = self.src_device_obj
-        if _all_on(self.module, device):  # every call: the cheap walk, names only on failure
+        if sentinels is not None and all(t.device == device for t in sentinels):
+            return
+        self._check_module_device_fully()
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        self.__dict__["_sentinels"] = tensors[:1] + tensors[-1:]
+
+    def _check_module_device_fully(self) -> None:
+        device = self.src_device_obj
+        if _all_on(self.module, device):  # the cheap walk; names only on failure
             return
         for name, tensor in _named_tensors(self.module):
             if tensor.device != device:
@@ -276,8 +305,24 @@ class DataParallel(nn.Module):
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:
             self._warned.add(plan.warning_key)
+            level = _caller_stacklevel()
             for message in plan.warnings:
-                warnings.warn(message, UserWarning, stacklevel=4)
+                warnings.warn(message, UserWarning, stacklevel=level)
+
+
+# Frames in these folders are ours or torch's module machinery: a warning skips them, so it
+# points at the user's line that called the model.
+_INTERNAL = (os.path.dirname(__file__), os.path.dirname(nn.Module.__call__.__code__.co_filename))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside dataparallel and torch's ``nn.Module``."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
@@ -305,6 +350,24 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
                     return False
         stack.extend(c for c in m._modules.values() if c is not None)
     return True
+
+
+def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
+    """Give the module replica 0's buffers after a call that did not run it as replica 0.
+
+    That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
+    weight): replica 0 then ran elsewhere on private buffers, and without this the module's
+    BatchNorm statistics would never update.
+    """
+    pairs = [
+        (mine, theirs)
+        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True)
+        if mine is not theirs
+    ]
+    if pairs:
+        with torch.no_grad():
+            for mine, theirs in pairs:
+                mine.copy_(theirs)
 
 
 def _named_tensors(module: nn.Module) -> Any:
@@ -350,7 +413,8 @@ class DataParallelCriterion(nn.Module):
         device_ids: as for ``DataParallel`` (used only to resolve ``output_device``).
         output_device: where the loss lands; default the first output's device.
         dim: the batch dimension of the targets.
-        scalars: ``"mean"`` for mean-reduced criteria, ``"sum"`` for sum-reduced ones.
+        scalars: ``"mean"`` for mean-reduced criteria, ``"sum"`` for sum-reduced ones;
+            ``None`` (default) reads the criterion's ``reduction`` (``"sum"`` sums, else mean).
     """
 
     def __init__(
@@ -360,10 +424,12 @@ class DataParallelCriterion(nn.Module):
         output_device: DeviceSpec | None = None,
         dim: int = 0,
         *,
-        scalars: str = "mean",
+        scalars: str | None = None,
     ) -> None:
         super().__init__()
         self.criterion = criterion
+        if scalars is None:
+            scalars = "sum" if getattr(criterion, "reduction", None) == "sum" else "mean"
         self.device_ids = resolve_devices(device_ids)
         self.output_device = (
             None if output_device is None else target_device(output_device, where="output_device")

@@ -1,0 +1,83 @@
+"""DataParallel's less common paths: a skipped device 0, sum-reduced criteria, overrides that
+call super(), and where warnings point."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import dataparallel as dp
+
+# "cpu:1" is a device of its own to dataparallel (its replicas get private copies) while its
+# tensors are CPU tensors: the paths of a second accelerator, testable without one.
+OTHER = torch.device("cpu", 1)
+
+
+def bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def test_batchnorm_statistics_update_when_device_zero_gets_no_chunk() -> None:
+    torch.manual_seed(0)
+    net = bn_net()
+    ref = copy.deepcopy(net)
+    model = dp.DataParallel(net, ["cpu", OTHER, OTHER], chunk_sizes=[0, 4, 4])
+    x = torch.randn(8, 4)
+    out = model(x)
+    want = torch.cat([ref(x[:4]), copy.deepcopy(ref)(x[4:])])  # stats from the first chunk only
+    assert out.shape == want.shape
+    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean)
+    torch.testing.assert_close(net[1].running_var, ref[1].running_var)
+    assert int(net[1].num_batches_tracked) == 1
+
+
+def test_criterion_follows_a_sum_reduction() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(4, 3)
+    model = dp.DataParallel(lin, ["cpu"] * 3, gather=False)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    for reduction in ("sum", "mean"):
+        criterion = dp.DataParallelCriterion(nn.CrossEntropyLoss(reduction=reduction), ["cpu"] * 3)
+        got = criterion(model(x), y)
+        torch.testing.assert_close(got, F.cross_entropy(lin(x), y, reduction=reduction))
+
+
+def test_criterion_with_waves_matches_one_device() -> None:
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 3)
+    model = dp.DataParallel(lin, ["cpu"] * 2, gather=False, max_size=2)
+    x, y = torch.randn(9, 4), torch.randint(0, 3, (9,))
+    outputs = model(x)
+    assert len(outputs) > 2 and sum(outputs.chunk_sizes) == 9
+    got = dp.DataParallelCriterion(nn.CrossEntropyLoss(), ["cpu"] * 2)(outputs, y)
+    torch.testing.assert_close(got, F.cross_entropy(lin(x), y))
+
+
+def test_override_calling_super_parallel_apply_gets_the_waves_devices() -> None:
+    seen: list[list[torch.device]] = []
+
+    class Logged(dp.DataParallel):
+        def parallel_apply(self, replicas, inputs, kwargs):  # type: ignore[no-untyped-def]
+            seen.append(list(self.__dict__["_wave_devices"]))
+            return super().parallel_apply(replicas, inputs, kwargs)
+
+    lin = nn.Linear(4, 2)
+    out = Logged(lin, ["cpu", OTHER, OTHER], chunk_sizes=[0, 3, 3])(torch.randn(6, 4))
+    assert seen == [[OTHER, OTHER]] and out.shape == (6, 2)
+
+
+def test_warning_points_at_the_users_line() -> None:
+    class Two(nn.Module):
+        def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return x + table.sum()
+
+    model = dp.DataParallel(Two(), ["cpu", "cpu"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 2), torch.randn(1, 2))  # this line
+    (warning,) = caught
+    assert warning.filename == __file__
