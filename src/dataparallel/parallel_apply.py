@@ -41,7 +41,7 @@ from torch import nn
 
 from dataparallel.devices import DeviceSpec, resolve_devices
 
-__all__ = ["describe_inputs", "parallel_apply"]
+__all__ = ["CudaSpan", "describe_inputs", "parallel_apply"]
 
 THREAD_PREFIX = "dataparallel-"
 
@@ -83,6 +83,7 @@ class _Task:
         "result",
         "seconds",
         "side",
+        "span",
         "stream",
         "sync",
     )
@@ -107,12 +108,37 @@ class _Task:
         self.autocast = autocast
         self.stream = stream  # the caller's current stream on a CUDA device, else None
         self.side = side  # a pool side stream for a repeated CUDA device, else None
-        self.sync = sync  # wait for the device before stopping the clock (timings)
+        self.sync = sync  # time the replica (on CUDA: with events, read later)
+        self.span: CudaSpan | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.cancelled = False
         self.done = threading.Event()
+
+
+class CudaSpan:
+    """A replica's time on its CUDA stream, measured with events and read only when asked.
+
+    Waiting for the device to stop a clock would block the host on every call and stall the
+    queue of the next step's kernels; events cost nothing until ``float(span)`` synchronizes
+    with the end event.
+    """
+
+    __slots__ = ("_stream", "end", "start")
+
+    def __init__(self, stream: Any) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record(stream)
+        self._stream = stream
+
+    def stop(self) -> None:
+        self.end.record(self._stream)
+
+    def __float__(self) -> float:
+        self.end.synchronize()
+        return float(self.start.elapsed_time(self.end)) / 1000.0
 
 
 def _execute(task: _Task) -> None:
@@ -131,13 +157,15 @@ def _execute(task: _Task) -> None:
                     task.side.wait_stream(task.stream)
                     stream = task.side
                 stack.enter_context(torch.cuda.stream(stream))
+                if task.sync:
+                    task.span = CudaSpan(stream)
             try:
                 task.result = task.module(*task.args, **task.kwargs)
             finally:
+                if task.span is not None:
+                    task.span.stop()
                 if task.side is not None:
                     task.stream.wait_stream(task.side)
-            if task.sync and task.stream is not None:
-                (task.side or task.stream).synchronize()
     except BaseException as exc:  # KeyboardInterrupt too: the worker must live
         task.error = exc
     finally:
@@ -267,7 +295,7 @@ def parallel_apply(
     kwargs_tup: Sequence[Mapping[str, Any]] | None = None,
     devices: Sequence[DeviceSpec] | None = None,
     *,
-    timings: list[float] | None = None,
+    timings: list[Any] | None = None,
 ) -> list[Any]:
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]``, in
     parallel.
@@ -279,8 +307,9 @@ def parallel_apply(
         kwargs_tup: one keyword-argument mapping per module, or ``None``.
         devices: one device spec per module; ``None`` infers each from its first input tensor
             (else the module's first tensor, else the CPU).
-        timings: if a list is given, it is filled with each replica's wall-clock seconds (on
-            CUDA the clock stops after the replica's stream has finished).
+        timings: if a list is given, it is filled with each replica's time: wall-clock seconds
+            on the CPU; on CUDA a ``CudaSpan`` of events on the replica's stream, whose
+            ``float()`` gives the seconds (waiting for the stream only then, not per call).
 
     Returns:
         The outputs, in the order of ``modules``.
@@ -358,7 +387,7 @@ def parallel_apply(
         _run_on_pool(tasks, worker_slots)
 
     if timings is not None:
-        timings[:] = [t.seconds for t in tasks]
+        timings[:] = [t.seconds if t.span is None else t.span for t in tasks]
     _reraise(tasks)
     return [t.result for t in tasks]
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from dataparallel.devices import DeviceSpec, resolve_devices, target_device
 from dataparallel.gather import ScalarMode, gather
-from dataparallel.parallel_apply import parallel_apply
+from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
@@ -42,8 +42,13 @@ class CallStats:
 
     devices: list[str]
     chunk_sizes: list[int]
-    seconds: list[float]
+    timers: list[Any]  # floats, or CUDA spans read (synchronizing) only when asked
     waves: int = 1
+
+    @property
+    def seconds(self) -> list[float]:
+        """Each chunk's time in seconds (on CUDA this waits for the replicas' streams)."""
+        return [float(t) for t in self.timers]
 
     def __str__(self) -> str:
         rows = [("replica", "device", "samples", "ms", "samples/s")]
@@ -166,16 +171,22 @@ class DataParallel(nn.Module):
         outputs: list[Any] = []
         devices: list[torch.device] = []
         sizes: list[int] = []
-        seconds: list[float] = []
+        seconds: list[Any] = []
         for wave in plan.slices:
             wave_devices = [device for device, _, _ in wave]
             wave_inputs, wave_kwargs = self._scatter_wave(inputs, kwargs, plan, wave)
-            timings: list[float] = []
+            timings: list[Any] = []
             if len(wave) == 1 and wave_devices[0] == self.src_device_obj:
                 # One chunk on the module's own device: the module is its own replica.
-                start = time.perf_counter()
-                wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
-                timings.append(time.perf_counter() - start)
+                if wave_devices[0].type == "cuda":
+                    span = CudaSpan(torch.cuda.current_stream(wave_devices[0]))
+                    wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
+                    span.stop()
+                    timings.append(span)
+                else:
+                    start = time.perf_counter()
+                    wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
+                    timings.append(time.perf_counter() - start)
             else:
                 replicas = self.replicate(self.module, wave_devices)
                 wave_outputs = self._parallel_apply(
@@ -258,7 +269,7 @@ class DataParallel(nn.Module):
         inputs: Sequence[Any],
         kwargs: Sequence[Any],
         devices: list[torch.device],
-        timings: list[float],
+        timings: list[Any],
     ) -> list[Any]:
         if type(self).parallel_apply is not DataParallel.parallel_apply:
             # an override may call super().parallel_apply: it needs this wave's devices
