@@ -253,7 +253,79 @@ def test_unknown_option_is_a_type_error() -> None:
         dp.plan((torch.zeros(2),), None, CPU2, chunks=[1, 1])
 
 
-def test_plan_is_linear_in_leaves_and_handles_many() -> None:
+def test_plan_of_many_leaves_has_one_entry_each_and_the_batch_size() -> None:
     batch = {f"k{i}": torch.zeros(4, 1) for i in range(2000)}
     p = dp.plan((batch,), None, CPU2)
-    assert len(p.entries) == 2000 and p.batch_size == 4
+    assert p.batch_size == 4 and p.chunk_sizes == [2, 2]
+    assert [e.path for e in p.entries] == [f"args[0]['k{i}']" for i in range(2000)]
+    assert {e.rule for e in p.entries} == {"split"}
+    assert len(p.votes) == 2000
+
+
+def test_str_plan_shows_the_vote_and_each_leafs_rule() -> None:
+    x, table, y = torch.zeros(10, 3), torch.zeros(1, 4), torch.zeros(10)
+    p = dp.plan((x, table), {"y": y}, CPU2)
+    lines = [line.strip() for line in str(p).splitlines()]
+    assert lines[0] == "batch size 10, decided by vote (2 of 3)"
+    assert "2 vote(s) for 10: args[0] (size along dim 0), kwargs['y'] (size along dim 0)" in lines
+    assert "1 vote(s) for 1: args[1] (size along dim 0)" in lines
+    assert "chunk sizes: [5, 5]" in lines
+    # one row per leaf: its path, what it is, the rule that decided it and why
+    for entry, what in zip(p.entries, ["Tensor[10, 3]", "Tensor[1, 4]", "Tensor[10]"], strict=True):
+        (row,) = [line for line in lines if line.startswith(entry.path + " ")]
+        assert row.startswith(entry.path) and f" {what} float32 " in row
+        assert f" {entry.rule} " in row and row.endswith(entry.why)
+    assert [e.rule for e in p.entries] == ["split", "broadcast", "split"]
+
+
+@pytest.mark.parametrize(
+    ("devices", "opts", "error", "match"),
+    [
+        (CPU2, {"chunk_sizes": [3, 4]}, ValueError, r"chunk_sizes: \[3, 4\] sum to 7, expected"),
+        (CPU2, {"chunk_sizes": [10, -2]}, ValueError, r"chunk_sizes\[1\]: expected a non-neg"),
+        (CPU2, {"chunk_sizes": [8]}, ValueError, r"chunk_sizes: expected one size per device \(2"),
+        (CPU2, {"weights": [0, 0]}, ValueError, r"weights: \[0, 0\] are all zero, expected"),
+        ([], {}, ValueError, r"expected at least one device"),
+        (["cpu", "tpu"], {}, ValueError, r"device_ids\[1\]: expected a device"),
+        (CPU2, {"dtype": "half"}, TypeError, r"dtype: expected a torch.dtype .*got 'half'"),
+    ],
+)
+def test_bad_options_and_devices_through_plan(
+    devices: list[str], opts: dict[str, object], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        dp.plan((torch.zeros(8, 2),), None, devices, **opts)
+
+
+def test_iterator_argument_is_an_error_on_more_than_one_device() -> None:
+    x = torch.zeros(4, 2)
+    for it in (iter([1, 2, 3, 4]), (i for i in range(4))):
+        with pytest.raises(
+            ValueError, match=r"args\[1\]: an iterator or generator.*list\(\.\.\.\)"
+        ):
+            dp.plan((x, it), None, CPU2)
+    # on one device nothing is shared between chunks: it is passed through
+    p = dp.plan((x, iter([1, 2])), None, ["cpu"])
+    assert rules(p) == {"args[0]": "split", "args[1]": "broadcast"}
+
+
+def test_split_of_a_namedtuple_gives_plain_tuples() -> None:
+    class Four(NamedTuple):
+        a: int
+        b: int
+        c: int
+        d: int
+
+    x = torch.arange(4)
+    p = dp.plan((x, dp.Split(Four(1, 2, 3, 4))), None, CPU2)
+    assert p.batch_size == 4 and rules(p)["args[1]"] == "per-sample"
+    chunks = dp.scatter((x, dp.Split(Four(1, 2, 3, 4))), CPU2)
+    assert [c[1] for c in chunks] == [(1, 2), (3, 4)]
+    assert all(type(c[1]) is tuple for c in chunks)
+    assert [c[0].tolist() for c in chunks] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("dim", [True, False, 1.0, "0"])
+def test_dim_must_be_an_int_not_a_bool(dim: object) -> None:
+    with pytest.raises((TypeError, ValueError), match=r"dim: expected an int"):
+        dp.plan((torch.zeros(3, 4),), None, CPU2, dim=dim)

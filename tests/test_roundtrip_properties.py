@@ -1,6 +1,6 @@
 """Property: scatter, then a per-sample identity on each chunk, then gather gives back the
-batch exactly: every sample once, in order, with its types, for random nested batches, device
-counts and chunk options."""
+batch exactly: every sample once, in order, with its types, for random nested positional and
+keyword arguments, device counts and chunk options, waves under ``max_size`` included."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import dataparallel as dp
@@ -33,7 +33,7 @@ class Record:
 
 
 def _leaf(draw: st.DrawFn, batch: int, index: int) -> Any:
-    kinds = ["float", "long", "ndarray", "strings", "dicts"]
+    kinds = ["float", "long", "ndarray", "strings", "dicts", "arrays", "records"]
     # one box alone is a tensor list (its size and its length tie): boxes need two samples
     kind = draw(st.sampled_from([*kinds, "boxes"] if batch > 1 else kinds))
     if kind == "float":
@@ -47,7 +47,14 @@ def _leaf(draw: st.DrawFn, batch: int, index: int) -> Any:
     if kind == "boxes":
         # leading sizes above any chunk size, so gather cannot mistake them for batched tensors
         return [torch.full((MAX_BATCH + 1 + i % 3, 2), float(i)) for i in range(batch)]
-    return [{"id": i, "tag": index} for i in range(batch)]
+    if kind == "arrays":
+        # per-sample ndarrays (seed 000), larger than any chunk for the same reason
+        return [np.full(MAX_BATCH + 1, float(i + index)) for i in range(batch)]
+    if kind == "records":
+        return [Record(i, f"r{index}") for i in range(batch)]
+    # per-sample records holding a shared tensor: the marker is unwrapped in every sample
+    shared = torch.full((3,), float(index))
+    return [{"id": i, "tag": index, "w": dp.Shared(shared)} for i in range(batch)]
 
 
 def _shared(draw: st.DrawFn) -> Any:
@@ -101,11 +108,6 @@ def unwrap_shared(obj: Any) -> Any:
     return obj
 
 
-def unwrap_batch_size(data: Any) -> int:
-    """The batch size the generator built (every batched leaf has it)."""
-    return next(v.size for v in plan((data,), None, ["cpu"]).votes)
-
-
 def assert_same(got: Any, want: Any, path: str = "batch") -> None:
     assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
     if isinstance(want, torch.Tensor):
@@ -127,46 +129,82 @@ def assert_same(got: Any, want: Any, path: str = "batch") -> None:
         assert got == want, path
 
 
+@dataclasses.dataclass
+class Case:
+    """One drawn example: the batch size the generator built and the call to split."""
+
+    batch: int
+    n: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    opts: dict[str, Any]
+
+
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[Any, int, dict[str, Any]]:
+def cases(draw: st.DrawFn) -> Case:
     batch = draw(st.integers(1, MAX_BATCH))
     n = draw(st.integers(1, 8))
-    data = draw(batches(batch))
-    option = draw(st.sampled_from(["even", "chunk_sizes", "weights", "max_size"]))
+    args = (draw(batches(batch)),)
+    keys = draw(st.lists(st.sampled_from(["labels", "extra", "meta"]), max_size=2, unique=True))
+    kwargs = {k: draw(batches(batch)) for k in keys}
+    options = ["even", "chunk_sizes", "weights", "max_size", "max_size", "weights+max_size"]
+    option = draw(st.sampled_from(options))
     opts: dict[str, Any] = {}
     if option == "chunk_sizes":
         cuts = sorted(draw(st.lists(st.integers(0, batch), min_size=n - 1, max_size=n - 1)))
         bounds = [0, *cuts, batch]
         opts["chunk_sizes"] = [bounds[i + 1] - bounds[i] for i in range(n)]
-    elif option == "weights":
+    if "weights" in option:
         weights = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
         if sum(weights) == 0:
             weights[0] = 1
         opts["weights"] = weights
-    elif option == "max_size":
-        opts["max_size"] = draw(st.integers(-(-batch // n), batch))
-    return data, n, opts
+    if "max_size" in option:
+        # below ceil(batch / n) too (half the time): the plan then cuts the batch into waves
+        one_round = -(-batch // n)
+        opts["max_size"] = draw(st.one_of(st.integers(1, one_round), st.integers(1, batch)))
+    return Case(batch, n, args, kwargs, opts)
 
 
 # random nesting can make a two-item tensor list tie with its length: the plan warns, correctly
 @pytest.mark.filterwarnings("ignore:.*read as structure:UserWarning")
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_scatter_identity_gather_round_trip(case: tuple[Any, int, dict[str, Any]]) -> None:
-    data, n, opts = case
-    p = plan((data,), None, ["cpu"] * n, **opts)
-    outputs, sizes = [], []
-    for device, start, length in p.slices[0]:
-        (chunk,), _ = take(p, start, length, device)
-        outputs.append(chunk)  # the identity replica
-        sizes.append(length)
-    assert p.batch_size == unwrap_batch_size(data) == sum(sizes)
-    assert all(size > 0 for size in sizes)
+def test_scatter_identity_gather_round_trip(case: Case) -> None:
+    devices = ["cpu"] * case.n
+    p = plan(case.args, case.kwargs, devices, **case.opts)
+    assert p.batch_size == case.batch  # the size the generator drew
+    event(f"waves={min(len(p.slices), 3)}")
+    event(f"kwargs={bool(case.kwargs)}")
+    outputs: list[Any] = []
+    sizes: list[int] = []
+    for wave in p.slices:  # every wave, in order
+        assert 1 <= len(wave) <= case.n
+        for device, start, length in wave:
+            assert start == sum(sizes)  # contiguous: every sample once, in order
+            outputs.append(take(p, start, length, device))  # the identity replica
+            sizes.append(length)
+    assert [[length for _, _, length in wave] for wave in p.slices] == p.waves
+    assert sum(sizes) == case.batch and all(size > 0 for size in sizes)
+    if "max_size" in case.opts:
+        assert max(sizes) <= case.opts["max_size"]
+    # all the waves' chunks gathered together, with their chunk sizes
     back = gather(outputs, "cpu", chunk_sizes=sizes)
-    assert_same(back, unwrap_shared(data))
-    # the public scatter gives the same chunks
-    chunks = dp.scatter((data,), ["cpu"] * n, **opts)
-    assert len(chunks) == len(sizes)
+    assert_same(back, (unwrap_shared(case.args), unwrap_shared(case.kwargs)))
+
+    # the public scatter gives the same chunks, in one round only
+    if len(p.slices) > 1:
+        with pytest.raises(ValueError, match=r"max_size: a batch of \d+ on \d+ device"):
+            dp.scatter_kwargs(case.args, case.kwargs, devices, **case.opts)
+        with pytest.raises(ValueError, match=r"max_size: a batch of \d+ on \d+ device"):
+            dp.scatter(case.args, devices, **case.opts)
+        return
+    if case.kwargs:
+        args_chunks, kwargs_chunks = dp.scatter_kwargs(case.args, case.kwargs, devices, **case.opts)
+        assert_same(list(zip(args_chunks, kwargs_chunks, strict=True)), outputs)
+    else:
+        chunks = dp.scatter(case.args, devices, **case.opts)
+        assert_same(chunks, [a for a, _ in outputs])
 
 
 @settings(max_examples=60, deadline=None)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dataparallel.devices import DeviceSpec, resolve_devices, target_device
-from dataparallel.gather import ScalarMode, gather
+from dataparallel.gather import ScalarMode, first_batch_size, gather
 from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.replicate import replicate
@@ -175,6 +175,14 @@ class DataParallel(nn.Module):
         for wave in plan.slices:
             wave_devices = [device for device, _, _ in wave]
             wave_inputs, wave_kwargs = self._scatter_wave(inputs, kwargs, plan, wave)
+            if type(self).scatter is DataParallel.scatter:
+                wave_sizes = [length for _, _, length in wave]
+            else:  # the override chose the chunks: read their sizes, pair devices as torch does
+                wave_devices = wave_devices[: len(wave_inputs)]
+                wave_sizes = [
+                    first_batch_size((a, k), self.dim) or 0
+                    for a, k in zip(wave_inputs, wave_kwargs, strict=True)
+                ]
             timings: list[Any] = []
             if len(wave) == 1 and wave_devices[0] == self.src_device_obj:
                 # One chunk on the module's own device: the module is its own replica.
@@ -196,7 +204,7 @@ class DataParallel(nn.Module):
                     _copy_buffers_back(replicas[0], self.module)
             outputs.extend(wave_outputs)
             devices.extend(wave_devices)
-            sizes.extend(length for _, _, length in wave[: len(wave_outputs)])
+            sizes.extend(wave_sizes)
             seconds.extend(timings or [float("nan")] * len(wave))
         # Straight into __dict__: nn.Module.__setattr__ (which would put it there too) costs
         # more than the rest of this bookkeeping, on every call.
