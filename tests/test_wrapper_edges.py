@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -81,3 +82,44 @@ def test_warning_points_at_the_users_line() -> None:
         model(torch.randn(4, 2), torch.randn(1, 2))  # this line
     (warning,) = caught
     assert warning.filename == __file__
+
+
+class Echo(nn.Module):
+    """Returns what it was given, so a test sees exactly what reached the module."""
+
+    def forward(self, *args: object, **kwargs: object) -> tuple[object, dict[str, object]]:
+        return args, kwargs
+
+
+def test_one_device_fast_path_gives_what_the_planned_path_gives() -> None:
+    x, names = torch.randn(5, 2), [f"n{i}" for i in range(5)]
+    table = torch.randn(1, 2)
+    one = dp.DataParallel(Echo(), ["cpu"])
+    (args, kwargs) = one(x, dp.Shared(table), names=names, k=3)
+    assert args[0] is x and args[1] is table  # nothing copied; the marker unwrapped
+    assert kwargs == {"names": names, "k": 3}
+    assert one.last_call is not None and one.last_call.chunk_sizes == [5]
+    # the same call through the planned path (a batch option forces it) agrees
+    planned = dp.DataParallel(Echo(), ["cpu"], strict=False, chunk_sizes=[5])
+    (p_args, p_kwargs) = planned(x, dp.Shared(table), names=names, k=3)
+    assert torch.equal(p_args[0], x) and torch.equal(p_args[1], table) and p_kwargs == kwargs
+    assert planned.last_call is not None and planned.last_call.chunk_sizes == [5]
+
+
+def test_one_device_keeps_the_rules_errors_and_options() -> None:
+    one = dp.DataParallel(Echo(), ["cpu"])
+    with pytest.raises(ValueError, match=r"the batch size is 0"):
+        one(torch.zeros(0, 2))
+    # a dp.Split decides the batch size on one device too
+    with pytest.warns(UserWarning, match=r"args\[0\] has size 4 along dim 0, not the batch size 3"):
+        ((_, items), _) = one(torch.zeros(4, 2), dp.Split([1, 2, 3]))
+    assert items == [1, 2, 3] and one.last_call is not None
+    assert one.last_call.chunk_sizes == [3]
+    strict = dp.DataParallel(Echo(), ["cpu"], strict=True)
+    with pytest.raises(ValueError, match=r"args\[1\]: size 1 along dim 0, expected the batch"):
+        strict(torch.zeros(4, 2), torch.zeros(1, 2))
+    ((half,), _) = dp.DataParallel(Echo(), ["cpu"], dtype=torch.float16)(torch.zeros(3, 2))
+    assert half.dtype == torch.float16
+    gen = (i for i in range(2))
+    ((_, same), _) = one(torch.zeros(2, 2), gen)
+    assert same is gen  # one chunk: an iterator is fine

@@ -386,6 +386,20 @@ def _voters_phrase(batch: int, how: str, votes: list[Vote]) -> str:
     return f"set by {how}"
 
 
+def vote_batch_size(inputs: tuple[Any, ...], kwargs: Mapping[str, Any], dim: int) -> int | None:
+    """The batch size the rules give a call, by the vote alone, or ``None`` when the vote is
+    not the whole story (a ``dp.Split`` decides, or an iterator is passed): the fast path of a
+    single-device call, which needs no plan, only ``B``."""
+    collector = _Collector(dim)
+    for i, arg in enumerate(inputs):
+        collector.visit(arg, f"args[{i}]")
+    for key, value in kwargs.items():
+        collector.visit(value, f"kwargs[{key!r}]")
+    if collector.first_split is not None or collector.iterators:
+        return None
+    return _decide_batch_size(collector.votes, None, None)[0]
+
+
 def check_options(opts: Mapping[str, Any]) -> None:
     unknown = sorted(set(opts) - set(_OPTION_NAMES))
     if unknown:

@@ -23,9 +23,10 @@ from torch import nn
 from dataparallel.devices import DeviceSpec, resolve_devices, target_device
 from dataparallel.gather import ScalarMode, first_batch_size, gather
 from dataparallel.parallel_apply import CudaSpan, parallel_apply
-from dataparallel.plan import Plan, build_plan
+from dataparallel.plan import Plan, build_plan, vote_batch_size
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
+from dataparallel.tree import map_tensors
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
 
@@ -165,6 +166,51 @@ class DataParallel(nn.Module):
             raise
 
     def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._one_device():
+            batch = vote_batch_size(inputs, kwargs, self.dim)
+            if batch:  # 0 or None: the full path raises or handles it
+                return self._forward_on_one_device(inputs, kwargs, batch)
+        return self._forward_planned(inputs, kwargs)
+
+    def _one_device(self) -> bool:
+        """One device, no batch options, no overridden step: nothing to split or plan."""
+        return (
+            len(self.device_ids) == 1
+            and self.device_ids[0] == self.src_device_obj
+            and not any(v for v in self.options.values())
+            and type(self).scatter is DataParallel.scatter
+            and type(self).parallel_apply is DataParallel.parallel_apply
+            and type(self).gather is DataParallel.gather
+        )
+
+    def _forward_on_one_device(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], batch: int
+    ) -> Any:
+        """The whole batch on the module's own device: every input goes to it as it is.
+
+        With one chunk nothing is split, so nothing can be broadcast in place of a split and
+        no plan is needed: only the batch size (the same vote), for ``last_call`` and gather.
+        Running less Python per call matters here: it is what one-device users pay.
+        """
+        device = self.src_device_obj
+        args = _on_device(inputs, device)
+        kw = _on_device(kwargs, device) if kwargs else kwargs
+        if device.type == "cuda":
+            timer: Any = CudaSpan(torch.cuda.current_stream(device))
+            output = self.module(*args, **kw)
+            timer.stop()
+        else:
+            start = time.perf_counter()
+            output = self.module(*args, **kw)
+            timer = time.perf_counter() - start
+        self.__dict__["last_call"] = CallStats([str(device)], [batch], [timer])
+        if not self.gather_outputs:
+            return DeviceOutputs([output], [device], [batch])
+        return gather(
+            [output], self.output_device, self.dim, chunk_sizes=[batch], scalars=self.scalars
+        )
+
+    def _forward_planned(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
         if plan.warnings:
             self._warn_once(plan)
@@ -369,6 +415,18 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
                     return False
         stack.extend(c for c in m._modules.values() if c is not None)
     return True
+
+
+def _on_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device`` and markers unwrapped; itself when nothing moves
+    (the usual case: a flat tuple of tensors already there)."""
+    if type(obj) is tuple and all(type(a) is torch.Tensor and a.device == device for a in obj):
+        return obj
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.to(device, non_blocking=device.type == "cuda")
+
+    return map_tensors(obj, move)
 
 
 def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
