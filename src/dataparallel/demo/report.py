@@ -22,6 +22,7 @@ __all__ = [
     "per_class",
     "print_epoch",
     "progress_bar",
+    "require_matplotlib",
     "write_json",
     "write_plot",
 ]
@@ -93,20 +94,31 @@ def write_json(path: str, result: TrainResult) -> None:
     target.write_text(text, encoding="utf-8")
 
 
+def require_matplotlib() -> None:
+    """Fail early and clearly when ``--plot`` is asked for without matplotlib.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            "--plot: needs matplotlib, which is not installed; install it with "
+            "`pip install dataparallel[plot]`, or drop --plot"
+        ) from exc
+
+
 def write_plot(path: str, history: Sequence[EpochStats]) -> None:
     """A PNG of the training loss and test accuracy per epoch (matplotlib, Agg canvas).
 
     Raises:
         UsageError: matplotlib is not installed.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise UsageError(
-            "--plot: needs matplotlib, which is not installed; install it with "
-            "`pip install dataparallel[plot]`, or drop --plot"
-        ) from exc
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     # A bare Figure on the Agg canvas: no pyplot, no global backend switch.
     fig = Figure(figsize=(8, 3.2))
     FigureCanvasAgg(fig)

@@ -50,6 +50,7 @@ from dataparallel.demo.report import (
     per_class,
     print_epoch,
     progress_bar,
+    require_matplotlib,
     write_json,
     write_plot,
 )
@@ -242,13 +243,7 @@ def _check_options(opts: TrainOptions) -> None:
             f"add --strategy ddp or drop --nproc-per-node"
         )
     if opts.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise UsageError(
-                "--plot: needs matplotlib, which is not installed; install it with "
-                "`pip install dataparallel[plot]`, or drop --plot"
-            ) from exc
+        require_matplotlib()
 
 
 def train(opts: TrainOptions, out: TextIO | None = None) -> TrainResult | None:
