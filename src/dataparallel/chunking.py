@@ -70,11 +70,15 @@ def _check_weights(n: int, weights: Sequence[float]) -> list[float]:
     values = list(weights)
     if len(values) != n:
         raise ValueError(
-            f"weights: expected one weight per device ({n}), got {len(values)}: {values!r}"
+            f"weights: expected one weight per device ({n}), got {len(values)}: {values!r}; "
+            f"give 0 for a device to skip it"
         )
     for i, w in enumerate(values):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"weights[{i}]: expected a finite number >= 0, got {w!r}")
+            raise ValueError(
+                f"weights[{i}]: expected a finite number >= 0, got {w!r}; weights are relative "
+                f"shares such as [1, 2] (0 skips a device)"
+            )
     if sum(values) <= 0:
         raise ValueError(
             f"weights: {values!r} are all zero, expected at least one positive weight; give the "
