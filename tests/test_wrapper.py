@@ -44,6 +44,20 @@ class DictModel(nn.Module):
         }
 
 
+class ListModel(nn.Module):
+    """Records how many per-sample arrays each replica received (seed 000)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+        self.lock = threading.Lock()
+
+    def forward(self, arrays: list[np.ndarray]) -> list[float]:
+        with self.lock:
+            self.seen.append(len(arrays))
+        return [float(a.sum()) for a in arrays]
+
+
 def mlp_bn() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
@@ -202,17 +216,6 @@ def test_seed_scenarios_end_to_end() -> None:
     class TwoInputs(nn.Module):
         def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x1, x2
-
-    class ListModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[int] = []
-            self.lock = threading.Lock()
-
-        def forward(self, arrays: list[np.ndarray]) -> list[float]:
-            with self.lock:
-                self.seen.append(len(arrays))
-            return [float(a.sum()) for a in arrays]
 
     # S1: each replica gets its 8 arrays
     lm = ListModel()
@@ -486,17 +489,6 @@ def test_last_call_shows_the_load_of_each_replica() -> None:
 
 def test_seed_scenarios_through_data_parallel() -> None:
     """S1 to S5 through the functional form, each against the same module on one device."""
-
-    class ListModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[int] = []
-            self.lock = threading.Lock()
-
-        def forward(self, arrays: list[np.ndarray]) -> list[float]:
-            with self.lock:
-                self.seen.append(len(arrays))
-            return [float(a.sum()) for a in arrays]
 
     class TwoInputs(nn.Module):
         """Uses the whole of ``x2`` in the first output: a cut ``x2`` would change it."""
