@@ -18,7 +18,6 @@ import dataclasses
 import numbers
 import operator
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,6 +26,7 @@ import torch
 
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
+from dataparallel.tree import rebuild_mapping, rebuild_sequence
 
 __all__ = ["ScalarMode", "first_batch_size", "gather"]
 
@@ -534,20 +534,22 @@ def _rebuild_seq(first: Any, items: list[Any], path: _Path) -> Any:
     cls = type(first)
     if cls is list or cls is tuple:
         return items if cls is list else tuple(items)
-    try:  # a namedtuple takes its fields positionally, other sequences an iterable
-        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    try:  # a namedtuple takes its fields positionally; other subclasses keep their attributes
+        if hasattr(cls, "_fields"):
+            try:
+                return cls(*items)
+            except TypeError:  # its own __new__: built as _make does
+                pass
+        return rebuild_sequence(first, items)
     except Exception as exc:
         raise _cannot_rebuild(first, path, exc) from exc
 
 
 def _rebuild_mapping(first: Mapping[Any, Any], data: dict[Any, Any], path: _Path) -> Any:
-    cls: Any = type(first)
-    if cls is dict:
+    if type(first) is dict:
         return data
     try:
-        if isinstance(first, defaultdict):
-            return cls(first.default_factory, data)
-        return cls(data)
+        return rebuild_mapping(first, data)
     except Exception as exc:
         raise _cannot_rebuild(first, path, exc) from exc
 

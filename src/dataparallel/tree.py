@@ -9,8 +9,9 @@ module is the one place that knows how to list their children, name their paths
 from __future__ import annotations
 
 import copy
+import copyreg
 import dataclasses
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +25,8 @@ __all__ = [
     "is_namedtuple",
     "map_tensors",
     "rebuild",
+    "rebuild_mapping",
+    "rebuild_sequence",
     "struct_items",
 ]
 
@@ -81,40 +84,107 @@ def path_key(kind: str, key: Any) -> str:
     return f"[{key!r}]"
 
 
+def _copy_state(template: Any, new: Any) -> Any:
+    """Give ``new`` the instance attributes (``__dict__`` and slots) of ``template``."""
+    state = getattr(template, "__dict__", None)
+    if state:
+        new.__dict__.update(state)
+    for name in copyreg._slotnames(type(template)):  # type: ignore[attr-defined]
+        if hasattr(template, name) and not hasattr(new, name):
+            object.__setattr__(new, name, getattr(template, name))
+    return new
+
+
+def rebuild_sequence(template: Any, values: list[Any]) -> Any:
+    """A list or tuple of ``template``'s own type holding ``values``, its attributes kept.
+
+    Subclasses are rebuilt without calling their constructor, whose signature is theirs to
+    choose (``Named(name, items=())`` would otherwise come back empty): a blank instance of the
+    class is filled by the base type and given the template's attributes. Classes that forbid
+    that (``torch.Size``) are called with the items.
+    """
+    cls = type(template)
+    if cls is list:
+        return values
+    if cls is tuple:
+        return tuple(values)
+    if isinstance(template, tuple):
+        try:
+            new = tuple.__new__(cls, values)
+        except TypeError:  # a C subclass such as torch.Size: its constructor takes the items
+            return cls(values)
+        return _copy_state(template, new)
+    new = cls.__new__(cls)
+    list.__init__(new, values)
+    return _copy_state(template, new)
+
+
+def rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
+    """A Mapping of ``template``'s own type holding ``data`` (in order), its attributes kept.
+
+    dict subclasses are rebuilt without calling their constructor (``Batch(meta=None, **kw)``
+    would otherwise come back empty); other Mappings (``MappingProxyType``, a user class) are
+    called with a dict, then filled item by item.
+
+    Raises:
+        TypeError: a Mapping class that can be built neither way.
+    """
+    cls: Any = type(template)
+    if cls is dict:
+        return data
+    if isinstance(template, dict):
+        new = cls.__new__(cls)
+        if isinstance(template, OrderedDict):
+            OrderedDict.__init__(new)
+            OrderedDict.update(new, data)
+        elif isinstance(template, defaultdict):
+            defaultdict.__init__(new, template.default_factory, data)
+        else:
+            dict.__init__(new, data)
+        return _copy_state(template, new)
+    try:
+        new = cls(data)
+        if len(new) == len(data) and all(k in new for k in data):
+            return new
+    except Exception:  # noqa: S110 - the next way is tried below
+        pass
+    try:
+        new = copy.copy(template)
+        for key in [k for k in new if k not in data]:
+            del new[key]
+        for key, value in data.items():
+            new[key] = value
+        return new
+    except Exception as exc:
+        raise TypeError(
+            f"cannot rebuild a {cls.__name__} with new values ({type(exc).__name__}: {exc}); "
+            f"expected a Mapping whose class accepts a dict or item assignment: pass a dict "
+            f"(dict(x)) instead"
+        ) from exc
+
+
 def rebuild(kind: str, template: Any, keys: list[Any], values: list[Any]) -> Any:
-    """A container like ``template`` (same type) holding ``values``.
+    """A container like ``template`` (same type, same attributes) holding ``values``.
 
     Dataclasses are copied and their fields set with ``object.__setattr__``, so frozen ones and
     ones with ``init=False`` fields come back whole.
     """
-    if kind == TUPLE:
-        return tuple(values) if type(template) is tuple else type(template)(values)
+    if kind == TUPLE or kind == LIST:
+        return rebuild_sequence(template, values)
     if kind == NAMEDTUPLE:
-        return type(template)(*values)
-    if kind == LIST:
-        if type(template) is list:
-            return values
         try:
-            return type(template)(values)
-        except TypeError:
-            return values
+            return type(template)(*values)
+        except TypeError:  # a subclass with its own __new__: build it as _make does
+            return rebuild_sequence(template, values)
     if kind == MAPPING:
         if type(template) is dict:
             return dict(zip(keys, values, strict=True))
-        if isinstance(template, defaultdict):
-            return type(template)(template.default_factory, zip(keys, values, strict=True))
         if is_dataclass_instance(template):
             new = copy.copy(template)
             for key, value in zip(keys, values, strict=True):
                 new[key] = value
             return new
-        try:
-            return type(template)(zip(keys, values, strict=True))
-        except TypeError:
-            new = copy.copy(template)
-            for key, value in zip(keys, values, strict=True):
-                new[key] = value
-            return new
+        return rebuild_mapping(template, dict(zip(keys, values, strict=True)))
     # DATACLASS
     new = copy.copy(template)
     for key, value in zip(keys, values, strict=True):
