@@ -35,8 +35,11 @@ def weighted_sizes(batch: int, weights: Sequence[float]) -> list[int]:
     >>> weighted_sizes(10, [1, 1, 2])
     [3, 2, 5]
     """
-    total = float(sum(weights))
-    shares = [w * batch / total for w in weights]
+    # Relative to the largest, so huge weights (1e308) cannot overflow the sum into inf.
+    top = float(max(weights))
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    shares = [w * batch / total for w in scaled]
     sizes = [math.floor(s) for s in shares]
     left = batch - sum(sizes)
     order = sorted(range(len(weights)), key=lambda i: (-(shares[i] - sizes[i]), i))

@@ -30,9 +30,11 @@ from dataparallel.plan_model import (
 )
 from dataparallel.tree import (
     LIST,
+    MAPPING,
     container_kind,
     describe,
     path_key,
+    rebuild_mapping,
     struct_items,
 )
 
@@ -100,11 +102,17 @@ class _Collector:
         self.first_split: tuple[str, int] | None = None
         self.iterators: list[str] = []  # paths of iterators, which replicas cannot share
         self.axis = f"dim {dim}"
+        self.max_ndim = 0  # the most dimensions of any tensor or ndarray seen (dim's range)
+        self.ancestors: list[int] = []  # ids of the containers on the current path (cycles)
 
     def visit(self, obj: Any, path: str) -> _Info:
         dim = self.dim
         if isinstance(obj, (torch.Tensor, np.ndarray)):
+            if isinstance(obj, torch.Tensor) and (obj.layout is not torch.strided or obj.is_nested):
+                _check_layout(obj, path)
             info = _Info("array", obj, path)
+            if obj.ndim > self.max_ndim:
+                self.max_ndim = obj.ndim
             info.size = _size_along(obj, dim)
             if info.size is not None:
                 self.votes.append(Vote(path, info.size, f"size along {self.axis}"))
@@ -134,10 +142,17 @@ class _Collector:
             return _Info("other", obj, path)
         info = _Info(container, obj, path)
         info.keys, values = struct_items(obj, container)
+        if container == MAPPING and not isinstance(obj, dict):
+            _check_mapping(obj, path, info.keys, values)
+        ancestors = self.ancestors
+        if len(ancestors) >= MAX_DEPTH or id(obj) in ancestors:
+            _too_deep(obj, path, ancestors)
+        ancestors.append(id(obj))
         info.children = [
             self.visit(v, path + path_key(container, k))
             for k, v in zip(info.keys, values, strict=True)
         ]
+        ancestors.pop()
         return info
 
     def _list_kind(self, obj: list[Any]) -> str:
@@ -187,6 +202,45 @@ class _Collector:
         if self.first_split is None:
             self.first_split = (path, info.size)
         return info
+
+
+MAX_DEPTH = 100  # containers nested deeper than this are refused (Python's stack is finite)
+
+
+def _too_deep(obj: Any, path: str, ancestors: list[int]) -> None:
+    if id(obj) in ancestors:
+        raise ValueError(
+            f"{path}: a {type(obj).__name__} that contains itself (a cycle), expected a tree of "
+            f"containers; pass a copy without the back-reference, or wrap it in dp.Shared(...) "
+            f"to broadcast it as is"
+        )
+    raise ValueError(
+        f"{path[:60]}...: containers nested {len(ancestors)} levels deep, expected at most "
+        f"{MAX_DEPTH}; flatten the input, or wrap it in dp.Shared(...) to broadcast it as is"
+    )
+
+
+def _check_layout(x: torch.Tensor, path: str) -> None:
+    """Sparse COO tensors are split (``narrow_copy``); nested and other layouts are refused."""
+    if x.is_nested:
+        raise TypeError(
+            f"{path}: a nested tensor, expected a regular (strided) tensor: its samples have no "
+            f"common shape to cut; pass list(x.unbind()) to split it per sample, or "
+            f"dp.Shared(x) to broadcast it"
+        )
+    if x.layout is not torch.sparse_coo:
+        raise TypeError(
+            f"{path}: a tensor of layout {x.layout}, expected a strided or sparse COO tensor; "
+            f"pass x.to_dense() or x.to_sparse() (COO), or dp.Shared(x) to broadcast it"
+        )
+
+
+def _check_mapping(obj: Any, path: str, keys: list[Any], values: list[Any]) -> None:
+    """A Mapping that is not a dict must be rebuildable, or each chunk would fail later."""
+    try:
+        rebuild_mapping(obj, dict(zip(keys, values, strict=True)))
+    except TypeError as exc:
+        raise TypeError(f"{path}: {exc}") from exc
 
 
 def _decide_batch_size(
@@ -357,6 +411,18 @@ class _Compiler:
         return PerSampleNode(marker.obj, self.cast)
 
 
+def _check_batch_size_used(batch: int, entries: list[tuple[str, str, str, Any]]) -> None:
+    """``batch_size=N`` that no input has would copy every input whole to every device."""
+    if any(rule != BROADCAST for _, rule, _, _ in entries):
+        return
+    found = ", ".join(f"{path} is {describe(value)}" for path, _, _, value in entries[:4])
+    raise ValueError(
+        f"batch_size: {batch}, but no input has {batch} samples ({found}), so every device "
+        f"would get a copy of the whole batch; expected the size of a batched input: pass that "
+        f"size, or drop batch_size= to let the inputs vote"
+    )
+
+
 def _warning_text(
     batch: int, how: str, voters: str, votes: list[Vote], mismatched: list[tuple[str, str]]
 ) -> str:
@@ -429,6 +495,12 @@ def build_plan(
         raise TypeError(f"dim: expected an int (the batch dimension), got {dim!r}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype such as torch.float16, got {dtype!r}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype: expected a floating-point dtype such as torch.float16 (it casts float "
+            f"inputs; integer and boolean ones keep their type), got {dtype}; cast integer "
+            f"inputs yourself before the call"
+        )
     collector = _Collector(dim)
     is_tuple = type(inputs) is tuple
     if is_tuple:
@@ -438,6 +510,13 @@ def build_plan(
     kw_keys = list(kwargs.keys())
     kw_infos = [collector.visit(kwargs[k], f"kwargs[{k!r}]") for k in kw_keys]
 
+    if not collector.votes and collector.max_ndim > 0 and collector.first_split is None:
+        ndim = collector.max_ndim
+        raise ValueError(
+            f"dim: {dim} is out of range for every input (the most dimensions is {ndim}), "
+            f"expected a dim in [{-ndim}, {ndim - 1}]; pass the batch dimension of your inputs "
+            f"(usually dim=0)"
+        )
     batch, how, lost_ties = _decide_batch_size(collector.votes, collector.first_split, batch_size)
     if batch == 0:
         raise ValueError(
@@ -459,6 +538,8 @@ def build_plan(
         "mapping", dict(kwargs), kw_keys, [compiler.compile(i) for i in kw_infos]
     )
 
+    if batch_size is not None and batch > 1 and compiler.entries:
+        _check_batch_size_used(batch, compiler.entries)
     waves = cut_batch(
         batch,
         len(devices),

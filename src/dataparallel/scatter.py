@@ -57,7 +57,10 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
         obj = node.obj
         if isinstance(obj, torch.Tensor):
             if start or length != obj.shape[node.dim]:  # the whole batch needs no narrow
-                obj = obj.narrow(node.dim, start, length)
+                if obj.is_sparse:  # COO has no views: a copy of the slice (differentiable)
+                    obj = obj.narrow_copy(node.dim, start, length)
+                else:
+                    obj = obj.narrow(node.dim, start, length)
             return (move if node.cast else move_plain)(obj)
         index = [slice(None)] * obj.ndim
         index[node.dim] = slice(start, start + length)
