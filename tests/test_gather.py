@@ -254,10 +254,13 @@ def test_constants_come_back_unchanged_with_their_type() -> None:
 
 
 def test_unequal_numbers_are_weighted() -> None:
-    assert gather([1, 4], "cpu", chunk_sizes=[2, 1]) == pytest.approx(2.0)
-    ints = gather([torch.tensor(1), torch.tensor(4)], "cpu", chunk_sizes=[2, 1])
-    assert ints.is_floating_point()
-    torch.testing.assert_close(ints, torch.tensor(2.0))
+    assert gather([1.0, 4.0], "cpu", chunk_sizes=[2, 1]) == pytest.approx(2.0)
+    # Issue 14: integers that differ are counts, summed (with a warning), never made floats.
+    with pytest.warns(UserWarning, match="summed"):
+        assert gather([1, 4], "cpu", chunk_sizes=[2, 1]) == 5
+    with pytest.warns(UserWarning, match="scalars='sum'"):
+        ints = gather([torch.tensor(1), torch.tensor(4)], "cpu", chunk_sizes=[2, 1])
+    assert ints.dtype == torch.int64 and int(ints) == 5
     floats = gather([torch.tensor(1.0), torch.tensor(4.0)], "cpu", chunk_sizes=[1, 2])
     torch.testing.assert_close(floats, torch.tensor(3.0))
     assert (
@@ -327,8 +330,12 @@ def test_unequal_unbatched_tensors_are_concatenated_with_a_warning_naming_the_pa
         out = gather(parts, "cpu")
     assert torch.equal(out["attn"], torch.cat(attn))
     with pytest.warns(UserWarning, match=r"output\[1\]"):
-        arrays = gather([(0, np.ones((2, 2))), (0, np.zeros((2, 2)))], "cpu", chunk_sizes=[1, 1])
+        arrays = gather([(0, np.ones((2, 2))), (0, np.zeros((2, 2)))], "cpu", chunk_sizes=[3, 3])
     assert isinstance(arrays[1], np.ndarray) and arrays[1].shape == (4, 2)
+    # Issue 14: with chunks of one sample each, different unbatched outputs are what a squeezed
+    # batch dimension looks like: refused, not concatenated.
+    with pytest.raises(ValueError, match=r"output\[1\]: replica 0 .* squeeze"):
+        gather([(0, np.ones((2, 2))), (0, np.zeros((2, 2)))], "cpu", chunk_sizes=[1, 1])
 
 
 def test_tensors_that_cannot_be_concatenated_list_every_replicas_shape() -> None:

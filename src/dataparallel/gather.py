@@ -173,14 +173,22 @@ def gather(
     dim = operator.index(dim)
     target = resolve_target(target_device)
     sizes = None if chunk_sizes is None else _check_chunk_sizes(chunk_sizes, len(values))
-    if len(values) == 1 and scalars != "stack":
-        # One replica: every rule gives its output back, tensors moved. "stack" still turns
-        # scalars into vectors, so it takes the full walk.
-        return _to_target(values[0], target, None)
-    if sizes is None:
-        found = [first_batch_size(v, dim) for v in values]
-        sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
-    return _gather(values, None, _Context(target, dim, sizes, scalars, len(values)))
+    try:
+        if len(values) == 1 and scalars != "stack":
+            # One replica: every rule gives its output back, tensors moved. "stack" still turns
+            # scalars into vectors, so it takes the full walk.
+            return _to_target(values[0], target, None)
+        if sizes is None:
+            found = [first_batch_size(v, dim) for v in values]
+            sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
+        return _gather(values, None, _Context(target, dim, sizes, scalars, len(values)))
+    except RecursionError:
+        pass  # raised below, outside the handler, so the message is not chained to it
+    raise ValueError(
+        "outputs: nested deeper than Python's recursion limit, or a container that contains "
+        "itself, expected a tree of tuples, lists, dicts and dataclasses; return a flatter "
+        "output, or use gather=False"
+    )
 
 
 def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
@@ -245,10 +253,52 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if not _batched(values, ctx):
         if _arrays_equal(values):
             return values[0]
+        _check_chunk_sizes_of(values, path, ctx)
         _warn_concat(values, path, ctx)
-    if is_tensor:
-        return torch.cat(values, ctx.dim)
-    return np.concatenate(values, axis=ctx.dim)
+    try:
+        if is_tensor:
+            return torch.cat(values, ctx.dim)
+        return np.concatenate(values, axis=ctx.dim)
+    except (RuntimeError, ValueError) as exc:
+        raise _concat_error(values, path, ctx) from exc
+
+
+def _shapes(values: list[Any], ctx: _Ctx) -> str:
+    sizes = ctx.sizes
+    return ", ".join(
+        f"replica {i} has shape {tuple(v.shape)}"
+        + ("" if sizes is None else f" for a chunk of {sizes[i]}")
+        for i, v in enumerate(values)
+    )
+
+
+def _concat_error(values: list[Any], path: _Path, ctx: _Ctx) -> ValueError:
+    return ValueError(
+        f"{_fmt(path)}: cannot concatenate the replicas' outputs along dim {ctx.dim}: "
+        f"{_shapes(values, ctx)}; expected the same shape on every replica except along dim "
+        f"{ctx.dim}. Return the same shape from every replica, or use gather=False to handle "
+        f"the per-replica outputs yourself"
+    )
+
+
+def _check_chunk_sizes_of(values: list[Any], path: _Path, ctx: _Ctx) -> None:
+    """Refuse outputs that some replicas return batched and others not, and different
+    outputs from chunks of one sample: both are what a batch dimension lost to ``squeeze()``
+    looks like, and concatenating them would return the wrong number of samples."""
+    sizes = ctx.sizes
+    if sizes is None:
+        return
+    dim = ctx.dim
+    batched = [-v.ndim <= dim < v.ndim and v.shape[dim] == n for v, n in zip(values, sizes)]
+    if any(batched) or all(n == 1 for n in sizes):
+        wrong = [i for i, ok in enumerate(batched) if not ok]
+        raise ValueError(
+            f"{_fmt(path)}: replica {wrong[0]} returned shape {tuple(values[wrong[0]].shape)} "
+            f"for a chunk of {sizes[wrong[0]]} sample(s), expected its chunk size along dim "
+            f"{dim} ({_shapes(values, ctx)}); a batch dimension squeezed away for one sample "
+            f"looks like this. Keep the batch dimension (squeeze(-1) rather than squeeze()), "
+            f"return the same value on every replica, or use gather=False"
+        )
 
 
 def _batched(values: list[Any], ctx: _Ctx) -> bool:
@@ -312,13 +362,34 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if any(isinstance(v, torch.Tensor) for v in values):
         # as_tensor moves a tensor like .to (differentiably) and makes one of a number
         tensors = [torch.as_tensor(v, device=target) for v in values]
-        return _sum(tensors) if ctx.scalars == "sum" else _tensor_mean(tensors, ctx)
+        if ctx.scalars == "sum":
+            return _sum(tensors)
+        if not any(t.is_floating_point() or t.is_complex() for t in tensors):
+            if _arrays_equal(tensors):
+                return tensors[0]
+            _warn_counts(path)  # integer tensors: counts, as for Python ints
+            return _sum(tensors)
+        return _tensor_mean(tensors, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
         return _sum(plain)
     if _all_equal(plain):
         return values[0]  # a constant (num_classes=10) keeps its type
+    if all(isinstance(v, numbers.Integral) for v in plain):
+        _warn_counts(path)
+        return _sum(plain)
     return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True)]) / ctx.total
+
+
+def _warn_counts(path: _Path) -> None:
+    warnings.warn(
+        f"{_fmt(path)}: an integer scalar that differs across replicas is a count, so it is "
+        f"summed (what one device returns), not averaged into a float; pass scalars='sum' to "
+        f"say so and silence this, or return a float (or a float tensor) to get the "
+        f"chunk-weighted mean",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _is_bool(value: Any) -> bool:
@@ -404,6 +475,8 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
         types = set(map(type, value))
         if types <= _ATOMS:
             continue  # strings, numbers: no tensor to look at
+        if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
+            return False  # 0-dim tensors are scalars (losses, metrics): the list is structure
         if types == {torch.Tensor} and dim >= 0:
             if any(t.ndim > dim and t.shape[dim] == size for t in value):
                 return False  # a batched tensor: the list is structure (torch's reading)
