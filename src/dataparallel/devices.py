@@ -14,7 +14,14 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["DeviceSpec", "default_devices", "resolve_device", "resolve_devices", "target_device"]
+__all__ = [
+    "DeviceSpec",
+    "check_runnable",
+    "default_devices",
+    "resolve_device",
+    "resolve_devices",
+    "target_device",
+]
 
 DeviceSpec: TypeAlias = "int | str | torch.device"
 
@@ -133,3 +140,18 @@ def target_device(spec: DeviceSpec | None, *, where: str = "target_device") -> t
     if type(spec) is torch.device and device == spec:
         _CHECKED.add(device)
     return device
+
+
+def check_runnable(devices: Sequence[torch.device], *, where: str = "device_ids") -> None:
+    """Refuse devices that cannot run a module: ``meta`` tensors hold no data.
+
+    ``dp.plan`` and ``explain`` accept them (they run nothing); running on them would fail
+    deep inside torch.
+    """
+    for i, device in enumerate(devices):
+        if device.type == "meta":
+            raise ValueError(
+                f"{where}[{i}]: the meta device holds no data, expected a device that computes "
+                f"('cpu', 'cuda:0'); pass real devices, or use dp.plan(...) or explain(...) to "
+                f"see the plan without running"
+            )

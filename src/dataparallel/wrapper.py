@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dataparallel.devices import DeviceSpec, resolve_devices, target_device
+from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import ScalarMode, first_batch_size, gather
 from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan, vote_batch_size
@@ -101,8 +102,8 @@ class DataParallel(nn.Module):
         output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
             ``device_ids[0]``.
         dim: the batch dimension.
-        chunk_sizes, weights, max_size, dtype, strict: the batch options of ``dp.plan``;
-            ``max_size`` runs a large batch in waves.
+        batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
+            ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
             ``"stack"``.
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
@@ -120,6 +121,7 @@ class DataParallel(nn.Module):
         output_device: DeviceSpec | None = None,
         dim: int = 0,
         *,
+        batch_size: int | None = None,
         chunk_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
         max_size: int | None = None,
@@ -129,8 +131,10 @@ class DataParallel(nn.Module):
         gather: bool = True,
     ) -> None:
         super().__init__()
+        _check_module(module)
         self.module = module
         self.device_ids: list[torch.device] = resolve_devices(device_ids)
+        check_runnable(self.device_ids)
         self.output_device = (
             self.device_ids[0]
             if output_device is None
@@ -139,6 +143,7 @@ class DataParallel(nn.Module):
         self.src_device_obj = self.device_ids[0]
         self.dim = dim
         self.options: dict[str, Any] = {
+            "batch_size": batch_size,
             "chunk_sizes": chunk_sizes,
             "weights": weights,
             "max_size": max_size,
@@ -146,13 +151,38 @@ class DataParallel(nn.Module):
             "strict": strict,
         }
         # Validate the options once, now, rather than at the first call.
-        build_plan(
-            (), None, self.device_ids, dim, batch_size=_probe_batch(chunk_sizes), **self.options
-        )
+        probe = dict(self.options)
+        if batch_size is None:
+            probe["batch_size"] = _probe_batch(chunk_sizes)
+        build_plan((), None, self.device_ids, dim, **probe)
         self.scalars = _check_scalars(scalars)
         self.gather_outputs = gather
-        self.last_call: CallStats | None = None
         self._warned: set[tuple[str, ...]] = set()
+
+    # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
+
+    @property
+    def last_call(self) -> CallStats | None:
+        """The load of this thread's last call through this wrapper (``None`` before one)."""
+        calls = self.__dict__.get("_calls")
+        return None if calls is None else getattr(calls, "last", None)
+
+    @last_call.setter
+    def last_call(self, value: CallStats | None) -> None:
+        self._record(value)
+
+    def _record(self, value: CallStats | None) -> None:
+        # Called on every forward: straight to the thread-local, past nn.Module.__setattr__.
+        calls = self.__dict__.get("_calls")
+        if calls is None:
+            calls = self.__dict__["_calls"] = threading.local()
+        calls.last = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A thread-local cannot be pickled or deep-copied: the copy starts with no last call.
+        state = self.__dict__.copy()
+        state.pop("_calls", None)
+        return state
 
     # -- the pipeline -------------------------------------------------------------------------
 
@@ -203,7 +233,7 @@ class DataParallel(nn.Module):
             start = time.perf_counter()
             output = self.module(*args, **kw)
             timer = time.perf_counter() - start
-        self.__dict__["last_call"] = CallStats([str(device)], [batch], [timer])
+        self._record(CallStats([str(device)], [batch], [timer]))
         if not self.gather_outputs:
             return DeviceOutputs([output], [device], [batch])
         return gather(
@@ -252,11 +282,7 @@ class DataParallel(nn.Module):
             devices.extend(wave_devices)
             sizes.extend(wave_sizes)
             seconds.extend(timings or [float("nan")] * len(wave))
-        # Straight into __dict__: nn.Module.__setattr__ (which would put it there too) costs
-        # more than the rest of this bookkeeping, on every call.
-        self.__dict__["last_call"] = CallStats(
-            [str(d) for d in devices], sizes, seconds, waves=len(plan.slices)
-        )
+        self._record(CallStats([str(d) for d in devices], sizes, seconds, waves=len(plan.slices)))
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
         if type(self).scatter is not DataParallel.scatter:
@@ -348,7 +374,7 @@ class DataParallel(nn.Module):
         makes torch raise in the forward, and ``forward`` then runs the full check."""
         sentinels: list[torch.Tensor] | None = self.__dict__.get("_sentinels")
         device = self.src_device_obj
-        if sentinels is not None and all(t.device == device for t in sentinels):
+        if sentinels is not None and all(_same_device(t.device, device) for t in sentinels):
             return
         self._check_module_device_fully()
         tensors = [*self.module.parameters(), *self.module.buffers()]
@@ -359,7 +385,7 @@ class DataParallel(nn.Module):
         if _all_on(self.module, device):  # the cheap walk; names only on failure
             return
         for name, tensor in _named_tensors(self.module):
-            if tensor.device != device:
+            if not _same_device(tensor.device, device):
                 raise RuntimeError(
                     f"module: expected its parameters and buffers on {device} (device_ids[0]), "
                     f"found {name!r} on {tensor.device}; move it first with "
@@ -400,6 +426,21 @@ def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
         return 1
 
 
+def _same_device(found: torch.device, expected: torch.device) -> bool:
+    """Whether a tensor on ``found`` is where ``expected`` wants it: any CPU index is the CPU
+    (``"cpu:1"`` names a second CPU replica, but a tensor cannot be moved "to" it)."""
+    return found == expected or (found.type == "cpu" and expected.type == "cpu")
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, nn.Module):
+        what = "a function" if callable(module) else type(module).__name__
+        raise TypeError(
+            f"module: expected a torch.nn.Module, got {what} ({module!r:.60}); wrap a function "
+            f"in an nn.Module whose forward calls it"
+        )
+
+
 def _all_on(module: nn.Module, device: torch.device) -> bool:
     """Whether every parameter and buffer of ``module`` is on ``device`` (no names built)."""
     seen: set[int] = set()
@@ -411,7 +452,7 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
         seen.add(id(m))
         for group in (m._parameters, m._buffers):
             for t in group.values():
-                if t is not None and t.device != device:
+                if t is not None and not _same_device(t.device, device):
                     return False
         stack.extend(c for c in m._modules.values() if c is not None)
     return True
@@ -471,7 +512,14 @@ def data_parallel(
     >>> out.shape, out.device.type
     (torch.Size([8, 2]), 'cpu')
     """
-    args = inputs if type(inputs) is tuple else (inputs,)
+    # None means no inputs, as in torch (a forward that takes none)
+    args = inputs if type(inputs) is tuple else () if inputs is None else (inputs,)
+    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
+        raise TypeError(
+            f"module_kwargs: expected a dict of keyword arguments for forward, got "
+            f"{type(module_kwargs).__name__} {module_kwargs!r:.60}; pass e.g. {{'mask': mask}}, "
+            f"or put positional arguments in inputs as a tuple"
+        )
     wrapper = DataParallel(module, device_ids, output_device, dim, **opts)
     return wrapper(*args, **(module_kwargs or {}))
 
