@@ -254,16 +254,32 @@ def _reraise(tasks: list[_Task]) -> None:
     i = failed[0]
     task = tasks[i]
     original = cast(BaseException, task.error)
+    # Each stored error's traceback holds the frame that ran its task, and the task holds the
+    # error: a reference cycle that would keep the module, replicas and inputs alive until the
+    # garbage collector runs. Cut it here.
+    for t in tasks:
+        t.error = None
     others = f" (replicas {failed[1:]} failed too)" if len(failed) > 1 else ""
     message = (
         f"replica {i} on {task.device}, inputs {describe_inputs(task.args, task.kwargs)}: "
         f"{original}{others}"
     )
+    error: BaseException
+    if isinstance(original, SystemExit):
+        error = SystemExit(original.code)  # the exit status is the message: keep it
+        if hasattr(error, "add_note"):
+            error.add_note(message)
+    else:
+        try:
+            error = type(original)(message)
+        except Exception:  # a type that needs more than one argument
+            error = RuntimeError(f"{type(original).__name__}: {message}")
     try:
-        error = type(original)(message)
-    except Exception:  # a type that needs more than one argument
-        error = RuntimeError(f"{type(original).__name__}: {message}")
-    raise error from original
+        raise error from original
+    finally:
+        # This frame is in the raised error's traceback: holding the error in a local would be
+        # a cycle too.
+        del error, original, task, tasks
 
 
 # -- the public function ----------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from dataparallel.devices import DeviceSpec, resolve_devices
 
@@ -79,10 +80,30 @@ def _fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
         if id(module) in seen:
             continue
         seen.add(id(module))
+        if isinstance(module, torch.jit.ScriptModule):
+            raise _Scripted  # its tensors live in C++: torch's replicate handles it
         modules.append(module)
         children = module.__dict__["_modules"]
         stack.extend(c for c in reversed(children.values()) if c is not None)
+    _check_initialized(modules)
     return modules, _signature(modules)
+
+
+class _Scripted(Exception):
+    """A TorchScript module somewhere in the tree (raised by ``_fingerprint``)."""
+
+
+def _check_initialized(modules: list[nn.Module]) -> None:
+    """Lazy modules (``nn.LazyLinear``) have no parameters to copy until a first forward."""
+    for module in modules:
+        for group in (module._parameters, module._buffers):
+            for name, t in group.items():
+                if t is not None and is_lazy(t):
+                    raise ValueError(
+                        f"module: {type(module).__name__} has an uninitialized (lazy) tensor "
+                        f"{name!r}, expected initialized parameters to replicate; run one "
+                        f"forward on the plain module first (module(sample_batch)), then wrap it"
+                    )
 
 
 def _signature(modules: list[nn.Module]) -> list[Any]:
@@ -514,15 +535,17 @@ class _Replicas:
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
 
 
-def _is_scripted(modules: list[nn.Module]) -> bool:
-    return any(isinstance(m, torch.jit.ScriptModule) for m in modules)
-
-
 def _replicate_scripted(module: nn.Module, devices: tuple[torch.device, ...]) -> list[nn.Module]:
+    if all(d.type == "cpu" for d in devices) and not any(True for _ in module.buffers()):
+        # One memory: every replica is the module itself (TorchScript runs concurrently), as
+        # replicas on a parameter's own device share it anyway. Buffers would race.
+        return [module] * len(devices)
     if any(d.type != "cuda" for d in devices):
         raise ValueError(
-            f"devices: a TorchScript module can only be replicated onto CUDA devices, got "
-            f"{[str(d) for d in devices]!r}; pass CUDA devices or the eager (unscripted) module"
+            f"devices: a TorchScript module (scripted, traced, or holding a scripted child) "
+            f"with buffers can only be replicated onto CUDA devices, as in torch (on one CPU "
+            f"the replicas would race on its buffers), got {[str(d) for d in devices]!r}; pass "
+            f"CUDA devices, one device (the module then runs as is), or the eager module"
         )
     from torch.nn.parallel.replicate import replicate as torch_replicate
 
@@ -561,6 +584,8 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
     True
     """
     resolved = _prepare(module, devices)
+    if isinstance(module, torch.jit.ScriptModule):  # its tensors live in C++: never cached
+        return _replicate_scripted(module, resolved)
     try:
         hash(module)
     except TypeError:  # a module class that defines __eq__ without __hash__: no cache
@@ -572,8 +597,9 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
             entry = None
             del table[resolved]  # type: ignore[union-attr]
         if entry is None:
-            modules, _ = _fingerprint(module)
-            if _is_scripted(modules):
+            try:
+                modules, _ = _fingerprint(module)
+            except _Scripted:
                 return _replicate_scripted(module, resolved)
             entry = _Replicas(module, resolved)
             if _self_referencing(modules):
@@ -590,8 +616,9 @@ def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn
     module run from several threads at once.
     """
     resolved = _prepare(module, devices)
-    modules, _ = _fingerprint(module)
-    if _is_scripted(modules):
+    try:
+        _fingerprint(module)
+    except _Scripted:
         return _replicate_scripted(module, resolved)
     return _Replicas(module, resolved).sync(module)
 
