@@ -289,7 +289,9 @@ def _check_chunk_sizes_of(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     if sizes is None:
         return
     dim = ctx.dim
-    batched = [-v.ndim <= dim < v.ndim and v.shape[dim] == n for v, n in zip(values, sizes)]
+    batched = [
+        -v.ndim <= dim < v.ndim and v.shape[dim] == n for v, n in zip(values, sizes, strict=True)
+    ]
     if any(batched) or all(n == 1 for n in sizes):
         wrong = [i for i, ok in enumerate(batched) if not ok]
         raise ValueError(

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dataparallel.devices import DeviceSpec, resolve_devices
+from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
 
 __all__ = ["CudaSpan", "describe_inputs", "parallel_apply"]
 
@@ -366,6 +366,7 @@ def parallel_apply(
                 f"devices the replicas were made for"
             )
         resolved = resolve_devices(devices, where="devices")
+        check_runnable(resolved, where="devices")
     if n == 0:
         if timings is not None:
             timings.clear()

@@ -31,6 +31,8 @@ from dataparallel.plan_model import (
 from dataparallel.tree import (
     LIST,
     MAPPING,
+    MAX_DEPTH,
+    TooDeep,
     container_kind,
     describe,
     path_key,
@@ -204,9 +206,6 @@ class _Collector:
         return info
 
 
-MAX_DEPTH = 100  # containers nested deeper than this are refused (Python's stack is finite)
-
-
 def _too_deep(obj: Any, path: str, ancestors: list[int]) -> None:
     if id(obj) in ancestors:
         raise ValueError(
@@ -317,6 +316,14 @@ class _Compiler:
         self.mismatched.append((path, found))
 
     def compile(self, info: _Info) -> Node:
+        try:
+            return self._compile(info)
+        except TooDeep as exc:  # from a walk inside a leaf (a sequence, a broadcast object)
+            if exc.path is None:
+                raise TooDeep(info.path) from None
+            raise
+
+    def _compile(self, info: _Info) -> Node:
         kind = info.kind
         if kind == "array":
             return self._array(info)

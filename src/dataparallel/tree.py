@@ -20,6 +20,8 @@ import torch
 from dataparallel.markers import Shared, Split
 
 __all__ = [
+    "MAX_DEPTH",
+    "TooDeep",
     "describe",
     "is_dataclass_instance",
     "is_namedtuple",
@@ -103,7 +105,7 @@ def rebuild_sequence(template: Any, values: list[Any]) -> Any:
     class is filled by the base type and given the template's attributes. Classes that forbid
     that (``torch.Size``) are called with the items.
     """
-    cls = type(template)
+    cls: Any = type(template)
     if cls is list:
         return values
     if cls is tuple:
@@ -132,6 +134,7 @@ def rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
     cls: Any = type(template)
     if cls is dict:
         return data
+    new: Any
     if isinstance(template, dict):
         new = cls.__new__(cls)
         if isinstance(template, OrderedDict):
@@ -146,7 +149,7 @@ def rebuild_mapping(template: Mapping[Any, Any], data: dict[Any, Any]) -> Any:
         new = cls(data)
         if len(new) == len(data) and all(k in new for k in data):
             return new
-    except Exception:  # noqa: S110 - the next way is tried below
+    except Exception:
         pass
     try:
         new = copy.copy(template)
@@ -169,7 +172,7 @@ def rebuild(kind: str, template: Any, keys: list[Any], values: list[Any]) -> Any
     Dataclasses are copied and their fields set with ``object.__setattr__``, so frozen ones and
     ones with ``init=False`` fields come back whole.
     """
-    if kind == TUPLE or kind == LIST:
+    if kind in (TUPLE, LIST):
         return rebuild_sequence(template, values)
     if kind == NAMEDTUPLE:
         try:
@@ -192,40 +195,70 @@ def rebuild(kind: str, template: Any, keys: list[Any], values: list[Any]) -> Any
     return new
 
 
+# Containers nested deeper than this are refused: Python's stack is finite, and a container
+# that contains itself would otherwise recurse until it overflows.
+MAX_DEPTH = 100
+
+
+class TooDeep(ValueError):
+    """Containers nested more than ``MAX_DEPTH`` levels deep, or a cycle."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        super().__init__(
+            f"{path or 'input'}: containers nested more than {MAX_DEPTH} levels deep, or a "
+            f"container that contains itself, expected a tree; flatten the input, or pass a "
+            f"copy without the back-reference"
+        )
+
+
 def map_tensors(
     obj: Any,
     fn: Callable[[torch.Tensor], torch.Tensor],
     shared_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    _depth: int = 0,
 ) -> Any:
     """Apply ``fn`` to every tensor inside nested containers; markers are unwrapped.
 
     Tensors inside a ``dp.Shared`` get ``shared_fn`` instead (scatter moves them without
     casting them); other leaves are returned as they are (shared by reference).
+
+    Raises:
+        TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if _depth > MAX_DEPTH:
+        raise TooDeep
     if isinstance(obj, Shared):
         inner = fn if shared_fn is None else shared_fn
-        return map_tensors(obj.obj, inner, inner)
+        return map_tensors(obj.obj, inner, inner, _depth + 1)
     if isinstance(obj, Split):
-        return map_tensors(obj.obj, fn, shared_fn)
+        return map_tensors(obj.obj, fn, shared_fn, _depth + 1)
     kind = container_kind(obj)
     if kind is None:
         return obj
     keys, values = struct_items(obj, kind)
-    return rebuild(kind, obj, keys, [map_tensors(v, fn, shared_fn) for v in values])
+    depth = _depth + 1
+    return rebuild(kind, obj, keys, [map_tensors(v, fn, shared_fn, depth) for v in values])
 
 
-def contains_array(obj: Any) -> bool:
-    """True when a tensor or ndarray lies anywhere inside ``obj``."""
+def contains_array(obj: Any, _depth: int = 0) -> bool:
+    """True when a tensor or ndarray lies anywhere inside ``obj``.
+
+    Raises:
+        TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
+    """
     if isinstance(obj, torch.Tensor) or _is_ndarray(obj):
         return True
+    if _depth > MAX_DEPTH:
+        raise TooDeep
     if isinstance(obj, (Shared, Split)):
-        return contains_array(obj.obj)
+        return contains_array(obj.obj, _depth + 1)
     kind = container_kind(obj)
     if kind is None:
         return False
-    return any(contains_array(v) for v in struct_items(obj, kind)[1])
+    return any(contains_array(v, _depth + 1) for v in struct_items(obj, kind)[1])
 
 
 def _is_ndarray(obj: Any) -> bool:

@@ -27,7 +27,7 @@ from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan, vote_batch_size
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
-from dataparallel.tree import map_tensors
+from dataparallel.tree import TooDeep, map_tensors
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
 
@@ -223,8 +223,11 @@ class DataParallel(nn.Module):
         Running less Python per call matters here: it is what one-device users pay.
         """
         device = self.src_device_obj
-        args = _on_device(inputs, device)
-        kw = _on_device(kwargs, device) if kwargs else kwargs
+        try:
+            args = _on_device(inputs, device)
+            kw = _on_device(kwargs, device) if kwargs else kwargs
+        except TooDeep:  # the planned path names the input that is too deep
+            return self._forward_planned(inputs, kwargs)
         if device.type == "cuda":
             timer: Any = CudaSpan(torch.cuda.current_stream(device))
             output = self.module(*args, **kw)
