@@ -480,13 +480,6 @@ ERRORS = [
         "pass real devices",
     ),
     Err(
-        "meta-replicate",
-        lambda: replicate(nn.Linear(5, 2), ["meta"]),
-        ValueError,
-        r"^devices\[0\]",
-        "pass real devices",
-    ),
-    Err(
         "meta-parallel-apply",
         lambda: parallel_apply([nn.Linear(5, 2)], [x10()], None, ["meta"]),
         ValueError,

@@ -145,8 +145,8 @@ def target_device(spec: DeviceSpec | None, *, where: str = "target_device") -> t
 def check_runnable(devices: Sequence[torch.device], *, where: str = "device_ids") -> None:
     """Refuse devices that cannot run a module: ``meta`` tensors hold no data.
 
-    ``dp.plan`` and ``explain`` accept them (they run nothing); running on them would fail
-    deep inside torch.
+    ``dp.plan``, ``explain`` and ``replicate`` accept them (they run nothing); running on them
+    would fail deep inside torch.
     """
     for i, device in enumerate(devices):
         if device.type == "meta":

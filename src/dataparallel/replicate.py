@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
+from dataparallel.devices import DeviceSpec, resolve_devices
 
 __all__ = ["clear_replica_cache", "fresh_replicate", "replicate"]
 
@@ -556,9 +556,7 @@ def _replicate_scripted(module: nn.Module, devices: tuple[torch.device, ...]) ->
 def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> tuple[torch.device, ...]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    resolved = tuple(resolve_devices(devices, where="devices"))
-    check_runnable(resolved, where="devices")
-    return resolved
+    return tuple(resolve_devices(devices, where="devices"))
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
