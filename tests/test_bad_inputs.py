@@ -683,6 +683,51 @@ ERRORS = [
     ),
     Err("gather-dim-bool", lambda: gather([1, 2], "cpu", dim=True), ValueError, "^dim", "an int"),
     Err("gather-target", lambda: gather([1, 2], "tpu"), ValueError, "^target_device", "use 'cpu'"),
+    Err(
+        "gather-dim-float",
+        lambda: gather([1, 2], "cpu", dim=0.5),
+        ValueError,
+        "^dim",
+        "pass e.g. 0",
+    ),
+    Err(
+        "gather-dim-str", lambda: gather([1, 2], "cpu", dim="0"), ValueError, "^dim", "pass e.g. 0"
+    ),
+    Err(
+        "devices-set",
+        lambda: dp.scatter(x10(), {"cpu"}),
+        TypeError,
+        "^device_ids: expected a list of devices, got a set",
+        r"\['cpu', 'cpu'\]",
+    ),
+    Err(
+        "devices-dict",
+        lambda: dp.DataParallel(nn.Linear(5, 2), {"cpu": 0}),
+        TypeError,
+        "^device_ids: .*got a dict",
+        "pass a list",
+    ),
+    Err(
+        "shared-cyclic",
+        lambda: dp.scatter((x10(), dp.Shared(cyclic_list())), CPU2),
+        ValueError,
+        r"^args\[1\]: containers nested",
+        "back-reference",
+    ),
+    Err(
+        "per-sample-cyclic-item",
+        lambda: dp.scatter(dp.Split([cyclic_list(), [1]]), CPU2),
+        ValueError,
+        "^input: containers nested",
+        "back-reference",
+    ),
+    Err(
+        "criterion-none",
+        lambda: dp.DataParallelCriterion(None),  # type: ignore[arg-type]
+        TypeError,
+        "^criterion",
+        "F.cross_entropy",
+    ),
     # -- parallel_apply
     Err(
         "apply-inputs-count",
@@ -964,6 +1009,14 @@ def defaultdict_input() -> bool:
 def frozen_and_namedtuple() -> bool:
     out = run(lambda f, p: Frozen(f.data * 2, f.label), Frozen(x10()), Point(1, 2))
     return type(out) is Frozen and torch.equal(out.data, x10() * 2)
+
+
+def criterion_function() -> bool:
+    lin = nn.Linear(5, 2)
+    target = torch.zeros(10, 2)
+    outs = dp.DataParallel(lin, CPU2, gather=False)(x10())
+    loss = dp.DataParallelCriterion(nn.functional.mse_loss, CPU2)(outs, target)
+    return bool(torch.allclose(loss, nn.functional.mse_loss(lin(x10()), target), atol=1e-5))
 
 
 HANDLED: list[tuple[str, Callable[[], bool]]] = [

@@ -9,9 +9,11 @@ caps every chunk: the batch is cut into the fewest waves that fit, as even as po
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["cut_batch", "even_sizes", "weighted_sizes"]
+__all__ = ["as_float", "as_int", "cut_batch", "even_sizes", "weighted_sizes"]
 
 
 def even_sizes(batch: int, n: int) -> list[int]:
@@ -48,8 +50,32 @@ def weighted_sizes(batch: int, weights: Sequence[float]) -> list[int]:
     return sizes
 
 
+def as_int(value: Any) -> Any:
+    """``value`` as a Python int when it is an integer of another type (``np.int64``, a 0-dim
+    integer tensor), else unchanged: the checks below then accept it or name it."""
+    if isinstance(value, (bool, int)) or not hasattr(value, "__index__"):
+        return value
+    if getattr(value, "is_floating_point", lambda: False)():
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def as_float(value: Any) -> Any:
+    """``value`` as a Python float when it is a real number of another type (``np.float32``, a
+    0-dim tensor), else unchanged."""
+    if isinstance(value, (bool, int, float)) or getattr(value, "dtype", None) is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
+
+
 def _check_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int]) -> list[int]:
-    sizes = list(chunk_sizes)
+    sizes = [as_int(s) for s in chunk_sizes]
     if len(sizes) != n:
         raise ValueError(
             f"chunk_sizes: expected one size per device ({n}), got {len(sizes)}: {sizes!r}; "
@@ -70,7 +96,7 @@ def _check_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int]) -> list[i
 
 
 def _check_weights(n: int, weights: Sequence[float]) -> list[float]:
-    values = list(weights)
+    values = [as_float(w) for w in weights]
     if len(values) != n:
         raise ValueError(
             f"weights: expected one weight per device ({n}), got {len(values)}: {values!r}; "
@@ -115,6 +141,7 @@ def cut_batch(
     """
     if chunk_sizes is not None and weights is not None:
         raise ValueError("chunk_sizes and weights: expected one of them, got both; drop one")
+    max_size = as_int(max_size)
     if max_size is not None and (
         isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1
     ):

@@ -9,7 +9,7 @@ position in the list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 import torch
@@ -116,6 +116,12 @@ def resolve_devices(
         return default_devices()
     if isinstance(specs, (int, str, torch.device)):
         return [resolve_device(specs, where=where)]
+    if isinstance(specs, (set, frozenset, Mapping)):
+        raise TypeError(
+            f"{where}: expected a list of devices, got a {type(specs).__name__}, which has no "
+            f"order and no repeats (one entry is one replica); pass a list such as "
+            f"['cpu', 'cpu'] or [0, 1]"
+        )
     items = list(specs)
     if not items:
         raise ValueError(

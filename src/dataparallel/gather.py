@@ -168,8 +168,8 @@ def gather(
     values = list(outputs)
     if not values:
         raise ValueError("outputs: expected at least one replica's output, got an empty list")
-    if isinstance(dim, bool):
-        raise ValueError(f"dim: expected an int, got {dim!r}")
+    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+        raise ValueError(f"dim: expected an int (the batch dimension), got {dim!r}; pass e.g. 0")
     dim = operator.index(dim)
     target = resolve_target(target_device)
     sizes = None if chunk_sizes is None else _check_chunk_sizes(chunk_sizes, len(values))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel.chunking import cut_batch
+from dataparallel.chunking import as_int, cut_batch
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
 from dataparallel.plan_model import (
@@ -247,6 +247,7 @@ def _decide_batch_size(
 ) -> tuple[int, str, list[int]]:
     """``B`` and a phrase saying how it was decided: option, first ``dp.Split``, or vote."""
     if batch_size is not None:
+        batch_size = as_int(batch_size)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size: expected an int >= 1 (the number of samples in the call), got "
@@ -317,7 +318,10 @@ class _Compiler:
 
     def compile(self, info: _Info) -> Node:
         try:
-            return self._compile(info)
+            node = self._compile(info)
+            if isinstance(node, (BroadcastNode, PerSampleNode)):
+                node.path = info.path
+            return node
         except TooDeep as exc:  # from a walk inside a leaf (a sequence, a broadcast object)
             if exc.path is None:
                 raise TooDeep(info.path) from None

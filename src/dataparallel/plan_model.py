@@ -72,10 +72,11 @@ class SplitNode(Node):
 class PerSampleNode(Node):
     """A sequence cut by items; tensors among the items are moved (and cast)."""
 
-    __slots__ = ("cast", "holds_arrays", "obj")
+    __slots__ = ("cast", "holds_arrays", "obj", "path")
 
     def __init__(self, obj: Any, cast: bool) -> None:
         self.obj, self.cast = obj, cast
+        self.path = "input"  # the argument path, for errors raised while executing the node
         # Names, ids, numbers: one C-speed look at the item types settles it.
         self.holds_arrays = not set(map(type, obj)) <= _ATOMS and any(
             contains_array(item) for item in obj
@@ -85,11 +86,12 @@ class PerSampleNode(Node):
 class BroadcastNode(Node):
     """A value given whole to every device; tensors inside are moved (cast unless shared)."""
 
-    __slots__ = ("cast", "moves", "obj")
+    __slots__ = ("cast", "moves", "obj", "path")
 
     def __init__(self, obj: Any, cast: bool) -> None:
         self.obj, self.cast = obj, cast
         self.moves = contains_array(obj)
+        self.path = "input"  # the argument path, for errors raised while executing the node
 
 
 class StructNode(Node):

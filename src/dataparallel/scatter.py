@@ -25,7 +25,7 @@ from dataparallel.plan_model import (
     SplitNode,
     StructNode,
 )
-from dataparallel.tree import LIST, map_tensors, rebuild
+from dataparallel.tree import LIST, TooDeep, map_tensors, rebuild
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
 
@@ -76,15 +76,21 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
             here = fn.device
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
-            if here is not None:
-                items = [
-                    x if type(x) is tensor and x.device == here else map_tensors(x, fn, move_plain)
-                    for x in items
-                ]
-            else:
-                items = [
-                    fn(x) if type(x) is tensor else map_tensors(x, fn, move_plain) for x in items
-                ]
+            try:
+                if here is not None:
+                    items = [
+                        x
+                        if type(x) is tensor and x.device == here
+                        else map_tensors(x, fn, move_plain)
+                        for x in items
+                    ]
+                else:
+                    items = [
+                        fn(x) if type(x) is tensor else map_tensors(x, fn, move_plain)
+                        for x in items
+                    ]
+            except TooDeep:  # a cycle inside an item: the plan did not walk it
+                raise TooDeep(node.path) from None
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
         if isinstance(node.obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
@@ -93,7 +99,10 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
     if isinstance(node, BroadcastNode):
         if not node.moves:
             return node.obj
-        return map_tensors(node.obj, move if node.cast else move_plain, move_plain)
+        try:
+            return map_tensors(node.obj, move if node.cast else move_plain, move_plain)
+        except TooDeep:  # a cycle inside a broadcast value: the plan did not walk it
+            raise TooDeep(node.path) from None
     raise TypeError(f"unknown plan node {node!r}")  # pragma: no cover - internal invariant
 
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -547,7 +547,7 @@ class DataParallelCriterion(nn.Module):
 
     def __init__(
         self,
-        criterion: nn.Module,
+        criterion: nn.Module | Callable[..., Any],
         device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
         output_device: DeviceSpec | None = None,
         dim: int = 0,
@@ -555,6 +555,11 @@ class DataParallelCriterion(nn.Module):
         scalars: str | None = None,
     ) -> None:
         super().__init__()
+        if not callable(criterion):
+            raise TypeError(
+                f"criterion: expected a loss module such as nn.CrossEntropyLoss() or a loss "
+                f"function such as F.cross_entropy, got {type(criterion).__name__}; pass one"
+            )
         self.criterion = criterion
         if scalars is None:
             scalars = "sum" if getattr(criterion, "reduction", None) == "sum" else "mean"
@@ -585,7 +590,12 @@ class DataParallelCriterion(nn.Module):
         if len(outputs) == 1:
             losses = [self.criterion(*args[0], **chunk_kwargs[0])]
         else:
-            replicas = replicate(self.criterion, devices)
+            # A loss function has no state to copy: every device calls it as it is.
+            replicas: Any = (
+                replicate(self.criterion, devices)
+                if isinstance(self.criterion, nn.Module)
+                else [self.criterion] * len(devices)
+            )
             losses = parallel_apply(replicas, args, chunk_kwargs, devices)
         target = self.output_device or devices[0]
         return gather(losses, target, self.dim, chunk_sizes=sizes, scalars=self.scalars)
