@@ -26,6 +26,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -1084,6 +1085,25 @@ HANDLED: list[tuple[str, Callable[[], bool]]] = [
         "int-scalar-sum-mode-silent",
         lambda: run(lambda x: int(x.shape[0]), x10(), scalars="sum") == 10,
     ),
+    ("numpy-batch-size", lambda: len(dp.scatter(x10(), CPU2, batch_size=np.int64(10))) == 2),
+    (
+        "numpy-chunk-sizes",
+        lambda: (
+            chunk_shapes(dp.scatter(x10(), CPU2, chunk_sizes=np.array([3, 7]))) == [(3, 5), (7, 5)]
+        ),
+    ),
+    (
+        "numpy-max-size",
+        lambda: len(dp.DataParallel(nn.Linear(5, 2), CPU2, max_size=np.int64(2))(x10())) == 10,
+    ),
+    (
+        "tensor-weights",
+        lambda: (
+            chunk_shapes(dp.scatter(x10(), CPU2, weights=torch.tensor([1.0, 4.0])))
+            == [(2, 5), (8, 5)]
+        ),
+    ),
+    ("criterion-function", criterion_function),
     (
         "deep-but-allowed",
         lambda: [leaf(c).shape for c in dp.scatter(deep_dict(60), CPU2)] == [(1,)] * 2,
