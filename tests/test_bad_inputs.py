@@ -481,6 +481,13 @@ ERRORS = [
         "pass real devices",
     ),
     Err(
+        "meta-output-device",
+        lambda: dp.DataParallel(nn.Linear(5, 2), CPU2, output_device="meta"),
+        ValueError,
+        "^output_device: the meta device",
+        "pass real devices",
+    ),
+    Err(
         "meta-parallel-apply",
         lambda: parallel_apply([nn.Linear(5, 2)], [x10()], None, ["meta"]),
         ValueError,

@@ -148,7 +148,9 @@ def target_device(spec: DeviceSpec | None, *, where: str = "target_device") -> t
     return device
 
 
-def check_runnable(devices: Sequence[torch.device], *, where: str = "device_ids") -> None:
+def check_runnable(
+    devices: Sequence[torch.device], *, where: str = "device_ids", indexed: bool = True
+) -> None:
     """Refuse devices that cannot run a module: ``meta`` tensors hold no data.
 
     ``dp.plan``, ``explain`` and ``replicate`` accept them (they run nothing); running on them
@@ -156,8 +158,9 @@ def check_runnable(devices: Sequence[torch.device], *, where: str = "device_ids"
     """
     for i, device in enumerate(devices):
         if device.type == "meta":
+            name = f"{where}[{i}]" if indexed else where
             raise ValueError(
-                f"{where}[{i}]: the meta device holds no data, expected a device that computes "
+                f"{name}: the meta device holds no data, expected a device that computes "
                 f"('cpu', 'cuda:0'); pass real devices, or use dp.plan(...) or explain(...) to "
                 f"see the plan without running"
             )

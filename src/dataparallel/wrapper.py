@@ -140,6 +140,7 @@ class DataParallel(nn.Module):
             if output_device is None
             else target_device(output_device, where="output_device")
         )
+        check_runnable([self.output_device], where="output_device", indexed=False)
         self.src_device_obj = self.device_ids[0]
         self.dim = dim
         self.options: dict[str, Any] = {
