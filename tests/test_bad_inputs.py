@@ -38,6 +38,9 @@ from dataparallel.replicate import replicate
 
 CPU2 = ["cpu", "cpu"]
 
+# torch 2.13 deprecates torch.jit; the catalogue still checks that scripted modules work.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 def x10() -> torch.Tensor:
     return torch.arange(50, dtype=torch.float32).reshape(10, 5)
@@ -1019,6 +1022,21 @@ def frozen_and_namedtuple() -> bool:
     return type(out) is Frozen and torch.equal(out.data, x10() * 2)
 
 
+def copies_after_a_call() -> bool:
+    import copy
+    import io
+
+    model = dp.DataParallel(nn.Linear(5, 2), CPU2)
+    model(x10())
+    clone = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ok = clone.last_call is None and loaded.last_call is None  # per thread, not copied
+    return ok and torch.allclose(loaded(x10()), model(x10())) and clone(x10()).shape == (10, 2)
+
+
 def criterion_function() -> bool:
     lin = nn.Linear(5, 2)
     target = torch.zeros(10, 2)
@@ -1111,6 +1129,7 @@ HANDLED: list[tuple[str, Callable[[], bool]]] = [
         ),
     ),
     ("criterion-function", criterion_function),
+    ("deepcopy-and-pickle-after-a-call", copies_after_a_call),
     (
         "deep-but-allowed",
         lambda: [leaf(c).shape for c in dp.scatter(deep_dict(60), CPU2)] == [(1,)] * 2,
@@ -1149,11 +1168,14 @@ def test_a_failed_call_leaves_no_reference_cycle() -> None:
     try:
         module, x = Failing(), x10()
         model = dp.DataParallel(module, CPU2)
-        refs = [weakref.ref(module), weakref.ref(x), weakref.ref(model)]
+        replica = replicate(module, CPU2)[1]  # the cached replica the failing call uses
+        refs = [weakref.ref(o) for o in (module, x, model, replica, replica.lin)]
         with pytest.raises(RuntimeError, match="replica 0 on cpu"):
             model(x)
-        del module, x, model
-        assert [r() is None for r in refs] == [True, True, True]
+        with pytest.raises(RuntimeError, match=r"replica 0 on cpu.*replicas \[1\] failed too"):
+            dp.data_parallel(module, x10()[:8], ["cpu", "cpu:1"])
+        del module, x, model, replica
+        assert [r() is None for r in refs] == [True] * len(refs)
     finally:
         gc.enable()
 
