@@ -26,6 +26,7 @@ import torch
 
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
+from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
 from dataparallel.tree import rebuild_mapping, rebuild_sequence
 
 __all__ = ["ScalarMode", "first_batch_size", "gather"]
@@ -253,54 +254,15 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if not _batched(values, ctx):
         if _arrays_equal(values):
             return values[0]
-        _check_chunk_sizes_of(values, path, ctx)
+        if ctx.sizes is not None:
+            check_chunk_sizes_of(values, lambda: _fmt(path), ctx.dim, ctx.sizes)
         _warn_concat(values, path, ctx)
     try:
         if is_tensor:
             return torch.cat(values, ctx.dim)
         return np.concatenate(values, axis=ctx.dim)
     except (RuntimeError, ValueError) as exc:
-        raise _concat_error(values, path, ctx) from exc
-
-
-def _shapes(values: list[Any], ctx: _Ctx) -> str:
-    sizes = ctx.sizes
-    return ", ".join(
-        f"replica {i} has shape {tuple(v.shape)}"
-        + ("" if sizes is None else f" for a chunk of {sizes[i]}")
-        for i, v in enumerate(values)
-    )
-
-
-def _concat_error(values: list[Any], path: _Path, ctx: _Ctx) -> ValueError:
-    return ValueError(
-        f"{_fmt(path)}: cannot concatenate the replicas' outputs along dim {ctx.dim}: "
-        f"{_shapes(values, ctx)}; expected the same shape on every replica except along dim "
-        f"{ctx.dim}. Return the same shape from every replica, or use gather=False to handle "
-        f"the per-replica outputs yourself"
-    )
-
-
-def _check_chunk_sizes_of(values: list[Any], path: _Path, ctx: _Ctx) -> None:
-    """Refuse outputs that some replicas return batched and others not, and different
-    outputs from chunks of one sample: both are what a batch dimension lost to ``squeeze()``
-    looks like, and concatenating them would return the wrong number of samples."""
-    sizes = ctx.sizes
-    if sizes is None:
-        return
-    dim = ctx.dim
-    batched = [
-        -v.ndim <= dim < v.ndim and v.shape[dim] == n for v, n in zip(values, sizes, strict=True)
-    ]
-    if any(batched) or all(n == 1 for n in sizes):
-        wrong = [i for i, ok in enumerate(batched) if not ok]
-        raise ValueError(
-            f"{_fmt(path)}: replica {wrong[0]} returned shape {tuple(values[wrong[0]].shape)} "
-            f"for a chunk of {sizes[wrong[0]]} sample(s), expected its chunk size along dim "
-            f"{dim} ({_shapes(values, ctx)}); a batch dimension squeezed away for one sample "
-            f"looks like this. Keep the batch dimension (squeeze(-1) rather than squeeze()), "
-            f"return the same value on every replica, or use gather=False"
-        )
+        raise concat_error(values, _fmt(path), ctx.dim, ctx.sizes) from exc
 
 
 def _batched(values: list[Any], ctx: _Ctx) -> bool:
@@ -369,7 +331,7 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if not any(t.is_floating_point() or t.is_complex() for t in tensors):
             if _arrays_equal(tensors):
                 return tensors[0]
-            _warn_counts(path)  # integer tensors: counts, as for Python ints
+            warn_counts(_fmt(path))  # integer tensors: counts, as for Python ints
             return _sum(tensors)
         return _tensor_mean(tensors, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
@@ -378,20 +340,9 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if _all_equal(plain):
         return values[0]  # a constant (num_classes=10) keeps its type
     if all(isinstance(v, numbers.Integral) for v in plain):
-        _warn_counts(path)
+        warn_counts(_fmt(path))
         return _sum(plain)
     return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True)]) / ctx.total
-
-
-def _warn_counts(path: _Path) -> None:
-    warnings.warn(
-        f"{_fmt(path)}: an integer scalar that differs across replicas is a count, so it is "
-        f"summed (what one device returns), not averaged into a float; pass scalars='sum' to "
-        f"say so and silence this, or return a float (or a float tensor) to get the "
-        f"chunk-weighted mean",
-        UserWarning,
-        stacklevel=4,
-    )
 
 
 def _is_bool(value: Any) -> bool:

@@ -17,6 +17,13 @@ import torch
 
 from dataparallel.chunking import as_int, cut_batch
 from dataparallel.devices import DeviceSpec, resolve_devices
+from dataparallel.guards import (
+    check_batch_size_used,
+    check_layout,
+    check_mapping,
+    dim_out_of_range,
+    too_deep,
+)
 from dataparallel.markers import Shared, Split
 from dataparallel.plan_model import (
     BroadcastNode,
@@ -36,7 +43,6 @@ from dataparallel.tree import (
     container_kind,
     describe,
     path_key,
-    rebuild_mapping,
     struct_items,
 )
 
@@ -111,7 +117,7 @@ class _Collector:
         dim = self.dim
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             if isinstance(obj, torch.Tensor) and (obj.layout is not torch.strided or obj.is_nested):
-                _check_layout(obj, path)
+                check_layout(obj, path)
             info = _Info("array", obj, path)
             if obj.ndim > self.max_ndim:
                 self.max_ndim = obj.ndim
@@ -145,10 +151,10 @@ class _Collector:
         info = _Info(container, obj, path)
         info.keys, values = struct_items(obj, container)
         if container == MAPPING and not isinstance(obj, dict):
-            _check_mapping(obj, path, info.keys, values)
+            check_mapping(obj, path, info.keys, values)
         ancestors = self.ancestors
         if len(ancestors) >= MAX_DEPTH or id(obj) in ancestors:
-            _too_deep(obj, path, ancestors)
+            too_deep(obj, path, ancestors)
         ancestors.append(id(obj))
         info.children = [
             self.visit(v, path + path_key(container, k))
@@ -204,42 +210,6 @@ class _Collector:
         if self.first_split is None:
             self.first_split = (path, info.size)
         return info
-
-
-def _too_deep(obj: Any, path: str, ancestors: list[int]) -> None:
-    if id(obj) in ancestors:
-        raise ValueError(
-            f"{path}: a {type(obj).__name__} that contains itself (a cycle), expected a tree of "
-            f"containers; pass a copy without the back-reference, or wrap it in dp.Shared(...) "
-            f"to broadcast it as is"
-        )
-    raise ValueError(
-        f"{path[:60]}...: containers nested {len(ancestors)} levels deep, expected at most "
-        f"{MAX_DEPTH}; flatten the input, or wrap it in dp.Shared(...) to broadcast it as is"
-    )
-
-
-def _check_layout(x: torch.Tensor, path: str) -> None:
-    """Sparse COO tensors are split (``narrow_copy``); nested and other layouts are refused."""
-    if x.is_nested:
-        raise TypeError(
-            f"{path}: a nested tensor, expected a regular (strided) tensor: its samples have no "
-            f"common shape to cut; pass list(x.unbind()) to split it per sample, or "
-            f"dp.Shared(x) to broadcast it"
-        )
-    if x.layout is not torch.sparse_coo:
-        raise TypeError(
-            f"{path}: a tensor of layout {x.layout}, expected a strided or sparse COO tensor; "
-            f"pass x.to_dense() or x.to_sparse() (COO), or dp.Shared(x) to broadcast it"
-        )
-
-
-def _check_mapping(obj: Any, path: str, keys: list[Any], values: list[Any]) -> None:
-    """A Mapping that is not a dict must be rebuildable, or each chunk would fail later."""
-    try:
-        rebuild_mapping(obj, dict(zip(keys, values, strict=True)))
-    except TypeError as exc:
-        raise TypeError(f"{path}: {exc}") from exc
 
 
 def _decide_batch_size(
@@ -422,18 +392,6 @@ class _Compiler:
         return PerSampleNode(marker.obj, self.cast)
 
 
-def _check_batch_size_used(batch: int, entries: list[tuple[str, str, str, Any]]) -> None:
-    """``batch_size=N`` that no input has would copy every input whole to every device."""
-    if any(rule != BROADCAST for _, rule, _, _ in entries):
-        return
-    found = ", ".join(f"{path} is {describe(value)}" for path, _, _, value in entries[:4])
-    raise ValueError(
-        f"batch_size: {batch}, but no input has {batch} samples ({found}), so every device "
-        f"would get a copy of the whole batch; expected the size of a batched input: pass that "
-        f"size, or drop batch_size= to let the inputs vote"
-    )
-
-
 def _warning_text(
     batch: int, how: str, voters: str, votes: list[Vote], mismatched: list[tuple[str, str]]
 ) -> str:
@@ -522,12 +480,7 @@ def build_plan(
     kw_infos = [collector.visit(kwargs[k], f"kwargs[{k!r}]") for k in kw_keys]
 
     if not collector.votes and collector.max_ndim > 0 and collector.first_split is None:
-        ndim = collector.max_ndim
-        raise ValueError(
-            f"dim: {dim} is out of range for every input (the most dimensions is {ndim}), "
-            f"expected a dim in [{-ndim}, {ndim - 1}]; pass the batch dimension of your inputs "
-            f"(usually dim=0)"
-        )
+        raise dim_out_of_range(dim, collector.max_ndim)
     batch, how, lost_ties = _decide_batch_size(collector.votes, collector.first_split, batch_size)
     if batch == 0:
         raise ValueError(
@@ -550,7 +503,7 @@ def build_plan(
     )
 
     if batch_size is not None and batch > 1 and compiler.entries:
-        _check_batch_size_used(batch, compiler.entries)
+        check_batch_size_used(batch, compiler.entries)
     waves = cut_batch(
         batch,
         len(devices),

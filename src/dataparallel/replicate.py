@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parameter import is_lazy
 
 from dataparallel.devices import DeviceSpec, resolve_devices
+from dataparallel.guards import check_initialized, replicate_scripted
 
 __all__ = ["clear_replica_cache", "fresh_replicate", "replicate"]
 
@@ -85,25 +85,12 @@ def _fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
         modules.append(module)
         children = module.__dict__["_modules"]
         stack.extend(c for c in reversed(children.values()) if c is not None)
-    _check_initialized(modules)
+    check_initialized(modules)
     return modules, _signature(modules)
 
 
 class _Scripted(Exception):
     """A TorchScript module somewhere in the tree (raised by ``_fingerprint``)."""
-
-
-def _check_initialized(modules: list[nn.Module]) -> None:
-    """Lazy modules (``nn.LazyLinear``) have no parameters to copy until a first forward."""
-    for module in modules:
-        for group in (module._parameters, module._buffers):
-            for name, t in group.items():
-                if t is not None and is_lazy(t):
-                    raise ValueError(
-                        f"module: {type(module).__name__} has an uninitialized (lazy) tensor "
-                        f"{name!r}, expected initialized parameters to replicate; run one "
-                        f"forward on the plain module first (module(sample_batch)), then wrap it"
-                    )
 
 
 def _signature(modules: list[nn.Module]) -> list[Any]:
@@ -535,24 +522,6 @@ class _Replicas:
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
 
 
-def _replicate_scripted(module: nn.Module, devices: tuple[torch.device, ...]) -> list[nn.Module]:
-    if all(d.type == "cpu" for d in devices) and not any(True for _ in module.buffers()):
-        # One memory: every replica is the module itself (TorchScript runs concurrently), as
-        # replicas on a parameter's own device share it anyway. Buffers would race.
-        return [module] * len(devices)
-    if any(d.type != "cuda" for d in devices):
-        raise ValueError(
-            f"devices: a TorchScript module (scripted, traced, or holding a scripted child) "
-            f"with buffers can only be replicated onto CUDA devices, as in torch (on one CPU "
-            f"the replicas would race on its buffers), got {[str(d) for d in devices]!r}; pass "
-            f"CUDA devices, one device (the module then runs as is), or the eager module"
-        )
-    from torch.nn.parallel.replicate import replicate as torch_replicate
-
-    detach = not torch.is_grad_enabled()
-    return list(torch_replicate(module, [d.index or 0 for d in devices], detach=detach))
-
-
 def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> tuple[torch.device, ...]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -585,7 +554,7 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
     """
     resolved = _prepare(module, devices)
     if isinstance(module, torch.jit.ScriptModule):  # its tensors live in C++: never cached
-        return _replicate_scripted(module, resolved)
+        return replicate_scripted(module, resolved)
     try:
         hash(module)
     except TypeError:  # a module class that defines __eq__ without __hash__: no cache
@@ -600,7 +569,7 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
             try:
                 modules, _ = _fingerprint(module)
             except _Scripted:
-                return _replicate_scripted(module, resolved)
+                return replicate_scripted(module, resolved)
             entry = _Replicas(module, resolved)
             if _self_referencing(modules):
                 # The table would keep the module alive through its own replicas.
@@ -619,7 +588,7 @@ def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn
     try:
         _fingerprint(module)
     except _Scripted:
-        return _replicate_scripted(module, resolved)
+        return replicate_scripted(module, resolved)
     return _Replicas(module, resolved).sync(module)
 
 
