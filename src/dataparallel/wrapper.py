@@ -390,10 +390,12 @@ class DataParallel(nn.Module):
             return
         for name, tensor in _named_tensors(self.module):
             if not _same_device(tensor.device, device):
+                # "cpu:1" is a replica slot, not a place: the tensor goes to the CPU
+                where = "cpu" if device.type == "cpu" else str(device)
                 raise RuntimeError(
                     f"module: expected its parameters and buffers on {device} (device_ids[0]), "
                     f"found {name!r} on {tensor.device}; move it first with "
-                    f"model.module.to({str(device)!r}), or list {str(tensor.device)!r} first in "
+                    f"model.module.to({where!r}), or list {str(tensor.device)!r} first in "
                     f"device_ids"
                 )
 
