@@ -18,6 +18,7 @@ import torch
 from dataparallel.chunking import cut_batch
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
+from dataparallel.packed import PackedNode, is_packed, sequence_count
 from dataparallel.plan_model import (
     BroadcastNode,
     Entry,
@@ -28,6 +29,7 @@ from dataparallel.plan_model import (
     StructNode,
     Vote,
 )
+from dataparallel.records import has_to
 from dataparallel.tree import (
     LIST,
     container_kind,
@@ -113,6 +115,11 @@ class _Collector:
             return _Info("shared", obj, path)
         if isinstance(obj, Split):
             return self._visit_split(obj, path)
+        if is_packed(obj):  # a namedtuple, but one batched input: its samples are sequences
+            info = _Info("packed", obj, path)
+            info.size = sequence_count(obj)
+            self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
+            return info
         if isinstance(obj, list) and obj:
             kind = self._list_kind(obj)
             if kind == "tensorlist":
@@ -272,6 +279,8 @@ class _Compiler:
             return self._sequence(info)
         if kind == "split":
             return self._split(info)
+        if kind == "packed":
+            return self._packed(info)
         if kind == "shared":
             self.entry(info, BROADCAST, "marked dp.Shared")
             return BroadcastNode(info.obj.obj, cast=False)
@@ -333,13 +342,29 @@ class _Compiler:
     def _sequence(self, info: _Info) -> Node:
         b, n = self.batch, info.size
         if n == b:
-            self.entry(info, PER_SAMPLE, f"a sequence of {n} items: its length is the batch size")
+            why = f"a sequence of {n} items: its length is the batch size"
+            if has_to(info.obj[0]):
+                why += "; each item moved by its own .to(device)"
+            self.entry(info, PER_SAMPLE, why)
             return PerSampleNode(info.obj, self.cast)
         node = BroadcastNode(info.obj, cast=self.cast)
         if node.moves:
             self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
         self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
         return node
+
+    def _packed(self, info: _Info) -> Node:
+        n = info.size
+        if n == self.batch:
+            self.entry(
+                info,
+                SPLIT,
+                f"a PackedSequence of {n} sequences: split by sequence, re-packed on each device",
+            )
+            return PackedNode(info.obj)
+        self.mismatch(info.path, f"a PackedSequence of {n} sequences")
+        self.entry(info, BROADCAST, f"{n} sequences, not the batch size {self.batch}")
+        return BroadcastNode(info.obj, cast=False)
 
     def _split(self, info: _Info) -> Node:
         marker, b = info.obj, self.batch
