@@ -446,6 +446,7 @@ class _Replicas:
                     d["_is_replica"] = True
                     d["_buffers"] = {}
                     d["_former_parameters"] = new_od()
+                    _own_hooks(d)
                     set_dict(rep, "__dict__", d)
         for j, records in enumerate(self.complex):
             if not records or j < first:
@@ -476,6 +477,7 @@ class _Replicas:
                 # torch exposes the copies here for DDP (#33907); harmless elsewhere.
                 d["_former_parameters"] = new_od(attrs)
                 d.update(attrs)
+                _own_hooks(d)
                 set_dict(rep, "__dict__", d)
         replicas = [reps[0] for reps in self.replicas]
         if self.own:
@@ -506,12 +508,30 @@ class _Replicas:
             [(name, tensors[slot]) for name, slot in pslots]
         )
         d["_former_parameters"] = attrs
+        _own_hooks(d)
         object.__setattr__(rep, "__dict__", d)
         if pslots:
             for name, value in attrs.items():
                 setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
             # setattr registers a same-device Parameter: keep replicas free of them.
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+
+
+# The hook tables a hook registration writes to. A replica's __dict__ is a shallow copy of its
+# source's, so without copies of these a hook registered during a replica's forward (lazily,
+# as transformers' output capture does on the first output_hidden_states=True call) would land
+# on the user's module too, and fire twice from then on (torch's replicate has that flaw).
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# (The tables of hook flags, such as _forward_hooks_with_kwargs, are only read for ids found in
+# these four, so a stray id a replica leaves in a shared one is never looked up.)
+
+
+def _own_hooks(d: dict[str, Any]) -> None:
+    """Give a replica's new ``__dict__`` its own hook tables (same hooks, fresh dicts)."""
+    for name in _HOOK_TABLES:
+        table = d.get(name)
+        if table is not None:
+            d[name] = table.copy()
 
 
 def _is_scripted(modules: list[nn.Module]) -> bool:
