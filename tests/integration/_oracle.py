@@ -52,10 +52,11 @@ def compare(ref: Any, out: Any, path: str = "output", atol: float = ATOL) -> flo
         assert list(out.keys()) == list(ref.keys()), f"{path}: keys"
         return max([compare(ref[k], out[k], f"{path}[{k!r}]", atol) for k in ref] or [0.0])
     if isinstance(ref, (list, tuple)):
-        assert len(out) == len(ref), (
-            f"{path}: length {len(out)} != {len(ref)} {type(out)} {[getattr(x, 'shape', x) for x in out]}"
-        )
-        parts = [compare(r, o, f"{path}[{i}]", atol) for i, (r, o) in enumerate(zip(ref, out))]
+        assert len(out) == len(ref), f"{path}: length {len(out)} != {len(ref)}"
+        parts = [
+            compare(r, o, f"{path}[{i}]", atol)
+            for i, (r, o) in enumerate(zip(ref, out, strict=True))
+        ]
         return max(parts or [0.0])
     if dataclasses.is_dataclass(ref):
         names = [f.name for f in dataclasses.fields(ref)]

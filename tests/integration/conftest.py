@@ -17,9 +17,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import tqdm  # noqa: E402
+import tqdm
 
-from ._oracle import DIFFS  # noqa: E402
+from ._oracle import DIFFS
 
 # peft and transformers show tqdm bars; tqdm's monitor thread would outlive the test that
 # first shows one, and the leak check would fail it.

@@ -63,7 +63,7 @@ def test_packed_chunks_are_whole_sequences_and_gradients_reach_the_input() -> No
     got = [pad_packed_sequence(c[0], batch_first=True) for c in chunks]
     assert [len(lens) for _, lens in got] == [3, 2]
     assert torch.equal(torch.cat([lens for _, lens in got]), lengths)
-    for (padded, lens), start in zip(got, [0, 3]):
+    for (padded, lens), start in zip(got, [0, 3], strict=True):
         for i, n in enumerate(lens.tolist()):
             assert torch.equal(padded[i, :n], x[start + i, :n].detach())
     sum(p.sum() for p, _ in got).backward()

@@ -24,7 +24,7 @@ def test_bert_sequence_classification(devices: list[str], batch: int) -> None:
     data = text_batch(batch)
     data["labels"] = torch.arange(batch) % 3
     model = tiny_bert()
-    ref, par = check("bert", model, (), data, _loss, devices)
+    _, par = check("bert", model, (), data, _loss, devices)
     out = dp.DataParallel(par, devices)(**data)
     assert type(out).__name__ == "SequenceClassifierOutput"
     assert out.loss.dim() == 0 and out.logits.shape == (batch, 3)
