@@ -29,7 +29,8 @@ def test_a_chunk_of_weight_zero_is_left_out_even_when_nan() -> None:
     out = dp.gather([loss, nan], "cpu", chunk_sizes=[2, 2], scalar_weights=[4, 0])
     assert out.item() == 1.5
     out.backward()
-    assert (loss.grad.item() == 1.0 and nan.grad is None) or nan.grad.item() == 0.0
+    assert loss.grad.item() == 1.0
+    assert nan.grad is None  # no NaN gradient flows into the unlabelled chunk
     assert math.isnan(dp.gather([1.0, float("nan")], "cpu", chunk_sizes=[1, 1]))
 
 
