@@ -101,6 +101,7 @@ class _Collector:
         self.votes: list[Vote] = []
         self.first_split: tuple[str, int] | None = None
         self.iterators: list[str] = []  # paths of iterators, which replicas cannot share
+        self.packed = False  # a PackedSequence needs the plan even on one device
         self.axis = f"dim {dim}"
 
     def visit(self, obj: Any, path: str) -> _Info:
@@ -117,6 +118,7 @@ class _Collector:
             return self._visit_split(obj, path)
         if is_packed(obj):  # a namedtuple, but one batched input: its samples are sequences
             info = _Info("packed", obj, path)
+            self.packed = True
             info.size = sequence_count(obj)
             self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
             return info
@@ -420,8 +422,8 @@ def vote_batch_size(inputs: tuple[Any, ...], kwargs: Mapping[str, Any], dim: int
         collector.visit(arg, f"args[{i}]")
     for key, value in kwargs.items():
         collector.visit(value, f"kwargs[{key!r}]")
-    if collector.first_split is not None or collector.iterators:
-        return None
+    if collector.first_split is not None or collector.iterators or collector.packed:
+        return None  # (a PackedSequence's lengths must stay on the CPU: the plan knows)
     return _decide_batch_size(collector.votes, None, None)[0]
 
 

@@ -95,3 +95,15 @@ def test_lstm_on_padded_input_with_lengths(devices: list[str], batch: int) -> No
         return out.pow(2).mean()
 
     check("lstm padded + lengths", PaddedLSTM(), (x, lengths), {}, loss, devices)
+
+
+def test_packed_sequence_on_one_device_takes_the_plan() -> None:
+    """One device: the plan still re-packs (lengths stay on the CPU, as torch requires)."""
+    x, lengths = padded_batch(5)
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    model = PackedLSTM()
+    out, h = dp.DataParallel(model, ["cpu"])(packed)
+    ref, ref_h = model(packed)
+    assert out.batch_sizes.device.type == "cpu"
+    assert torch.equal(pad_packed_sequence(out, True)[0], pad_packed_sequence(ref, True)[0])
+    assert torch.equal(h, ref_h)
