@@ -28,6 +28,7 @@ from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
 from dataparallel.tree import rebuild_mapping, rebuild_sequence
+from dataparallel.packed import gather_packed, is_packed
 
 __all__ = ["ScalarMode", "first_batch_size", "gather"]
 
@@ -107,14 +108,22 @@ class _Context:
     __slots__ = ("counts", "dim", "scalars", "sizes", "target", "total", "weights")
 
     def __init__(
-        self, target: torch.device, dim: int, sizes: tuple[int, ...] | None, scalars: str, n: int
+        self,
+        target: torch.device,
+        dim: int,
+        sizes: tuple[int, ...] | None,
+        scalars: str,
+        n: int,
+        scalar_weights: tuple[float, ...] | None = None,
     ) -> None:
         self.target = target
         self.dim = dim
         self.sizes = sizes
         self.scalars = scalars
         # Unknown sizes (or all zero) weigh every replica alike.
-        self.counts = sizes if sizes is not None and sum(sizes) > 0 else (1,) * n
+        self.counts: tuple[float, ...] = sizes if sizes is not None and sum(sizes) > 0 else (1,) * n
+        if scalar_weights is not None and sum(scalar_weights) > 0:
+            self.counts = scalar_weights  # e.g. each chunk's count of labelled tokens
         self.total = sum(self.counts)
         self.weights = tuple(c / self.total for c in self.counts)
 
@@ -126,6 +135,7 @@ def gather(
     *,
     chunk_sizes: Sequence[int] | None = None,
     scalars: ScalarMode = "mean",
+    scalar_weights: Sequence[float] | None = None,
 ) -> Any:
     """Gather one output per replica into one output, batch order restored.
 
@@ -139,6 +149,10 @@ def gather(
             means are unweighted.
         scalars: ``"mean"`` (chunk-weighted; constants come back unchanged), ``"sum"`` or
             ``"stack"`` (torch's 1-d tensor) for numeric scalars such as losses.
+        scalar_weights: one weight per replica for ``scalars="mean"`` in place of the chunk
+            sizes, e.g. each chunk's number of labelled tokens, so that per-chunk token means
+            combine into the global token mean. A replica of weight 0 is left out of the mean
+            (its loss may be NaN: a chunk with no labelled token). All zero: sizes are used.
 
     Returns:
         One output with the replicas' structure and types.
@@ -182,7 +196,8 @@ def gather(
         if sizes is None:
             found = [first_batch_size(v, dim) for v in values]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
-        return _gather(values, None, _Context(target, dim, sizes, scalars, len(values)))
+        weights = None if scalar_weights is None else _check_weights(scalar_weights, len(values))
+        return _gather(values, None, _Context(target, dim, sizes, scalars, len(values), weights))
     except RecursionError:
         pass  # raised below, outside the handler, so the message is not chained to it
     raise ValueError(
@@ -190,6 +205,28 @@ def gather(
         "itself, expected a tree of tuples, lists, dicts and dataclasses; return a flatter "
         "output, or use gather=False"
     )
+
+
+def _check_weights(scalar_weights: Sequence[float], n: int) -> tuple[float, ...]:
+    weights = []
+    for i, w in enumerate(scalar_weights):
+        try:
+            value = float(w)
+        except (TypeError, ValueError, RuntimeError):
+            value = -1.0
+        if isinstance(w, bool) or not value >= 0 or value == float("inf"):
+            raise ValueError(
+                f"scalar_weights[{i}]: expected a finite number >= 0 (that chunk's weight in "
+                f"the mean of scalar outputs), got {w!r}; return a count such as the number "
+                f"of labels that are not -100"
+            )
+        weights.append(value)
+    if len(weights) != n:
+        raise ValueError(
+            f"scalar_weights: expected one weight per output ({n}), got {len(weights)}; pass "
+            f"one per replica, in batch order"
+        )
+    return tuple(weights)
 
 
 def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
@@ -342,7 +379,7 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if all(isinstance(v, numbers.Integral) for v in plain):
         warn_counts(_fmt(path))
         return _sum(plain)
-    return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True)]) / ctx.total
+    return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
 
 
 def _is_bool(value: Any) -> bool:
@@ -356,7 +393,8 @@ def _sum(items: list[Any]) -> Any:
 
 def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
     # Weights (not counts) multiply, so a float16 loss cannot overflow.
-    mean = _sum([t * w for t, w in zip(tensors, ctx.weights, strict=True)])
+    # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
+    mean = _sum([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
     if any(t.requires_grad for t in tensors):
         return mean  # a loss: its gradient must be the weighted one, even where values agree
     first = tensors[0]
@@ -462,6 +500,8 @@ def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
 def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 5 for tuples and namedtuples."""
     first = values[0]
+    if is_packed(first):  # sequences, not a namedtuple of four batched fields
+        return gather_packed(values, ctx.target)
     n = len(first)
     if any(len(v) != n for v in values):
         raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
@@ -523,6 +563,8 @@ def _to_target(obj: Any, target: torch.device, path: _Path) -> Any:
     kind = _kind(obj)
     if kind == _TENSOR:
         return obj.to(target)
+    if kind == _NAMEDTUPLE and is_packed(obj):
+        return obj.to(target)  # keeps batch_sizes on the CPU, as torch requires
     if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
         items = [_to_target(item, target, path) for item in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):

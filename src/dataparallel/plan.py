@@ -25,6 +25,7 @@ from dataparallel.guards import (
     too_deep,
 )
 from dataparallel.markers import Shared, Split
+from dataparallel.packed import PackedNode, is_packed, sequence_count
 from dataparallel.plan_model import (
     BroadcastNode,
     Entry,
@@ -35,6 +36,7 @@ from dataparallel.plan_model import (
     StructNode,
     Vote,
 )
+from dataparallel.records import has_to
 from dataparallel.tree import (
     LIST,
     MAPPING,
@@ -109,6 +111,7 @@ class _Collector:
         self.votes: list[Vote] = []
         self.first_split: tuple[str, int] | None = None
         self.iterators: list[str] = []  # paths of iterators, which replicas cannot share
+        self.packed = False  # a PackedSequence needs the plan even on one device
         self.axis = f"dim {dim}"
         self.max_ndim = 0  # the most dimensions of any tensor or ndarray seen (dim's range)
         self.ancestors: list[int] = []  # ids of the containers on the current path (cycles)
@@ -129,6 +132,12 @@ class _Collector:
             return _Info("shared", obj, path)
         if isinstance(obj, Split):
             return self._visit_split(obj, path)
+        if is_packed(obj):  # a namedtuple, but one batched input: its samples are sequences
+            info = _Info("packed", obj, path)
+            self.packed = True
+            info.size = sequence_count(obj)
+            self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
+            return info
         if isinstance(obj, list) and obj:
             kind = self._list_kind(obj)
             if kind == "tensorlist":
@@ -307,6 +316,8 @@ class _Compiler:
             return self._sequence(info)
         if kind == "split":
             return self._split(info)
+        if kind == "packed":
+            return self._packed(info)
         if kind == "shared":
             self.entry(info, BROADCAST, "marked dp.Shared")
             return BroadcastNode(info.obj.obj, cast=False)
@@ -368,13 +379,29 @@ class _Compiler:
     def _sequence(self, info: _Info) -> Node:
         b, n = self.batch, info.size
         if n == b:
-            self.entry(info, PER_SAMPLE, f"a sequence of {n} items: its length is the batch size")
+            why = f"a sequence of {n} items: its length is the batch size"
+            if has_to(info.obj[0]):
+                why += "; each item moved by its own .to(device)"
+            self.entry(info, PER_SAMPLE, why)
             return PerSampleNode(info.obj, self.cast)
         node = BroadcastNode(info.obj, cast=self.cast)
         if node.moves:
             self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
         self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
         return node
+
+    def _packed(self, info: _Info) -> Node:
+        n = info.size
+        if n == self.batch:
+            self.entry(
+                info,
+                SPLIT,
+                f"a PackedSequence of {n} sequences: split by sequence, re-packed on each device",
+            )
+            return PackedNode(info.obj)
+        self.mismatch(info.path, f"a PackedSequence of {n} sequences")
+        self.entry(info, BROADCAST, f"{n} sequences, not the batch size {self.batch}")
+        return BroadcastNode(info.obj, cast=False)
 
     def _split(self, info: _Info) -> Node:
         marker, b = info.obj, self.batch
@@ -430,8 +457,8 @@ def vote_batch_size(inputs: tuple[Any, ...], kwargs: Mapping[str, Any], dim: int
         collector.visit(arg, f"args[{i}]")
     for key, value in kwargs.items():
         collector.visit(value, f"kwargs[{key!r}]")
-    if collector.first_split is not None or collector.iterators:
-        return None
+    if collector.first_split is not None or collector.iterators or collector.packed:
+        return None  # (a PackedSequence's lengths must stay on the CPU: the plan knows)
     return _decide_batch_size(collector.votes, None, None)[0]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dataparallel.records import contains_record
 from dataparallel.tree import contains_array, describe
 
 # Exact types that hold no tensor or ndarray: per-item checks skip them (a fast path only;
@@ -79,7 +80,7 @@ class PerSampleNode(Node):
         self.path = "input"  # the argument path, for errors raised while executing the node
         # Names, ids, numbers: one C-speed look at the item types settles it.
         self.holds_arrays = not set(map(type, obj)) <= _ATOMS and any(
-            contains_array(item) for item in obj
+            contains_array(item) or contains_record(item) for item in obj
         )
 
 

@@ -243,6 +243,10 @@ class _Replicas:
             ]
             for j in range(n)
         ]
+        # Per replica, per module: its own forward-hook and forward-pre-hook tables.
+        self.hook_tables: list[list[list[Any]]] = [
+            [[OrderedDict(), OrderedDict()] for _ in modules] for _ in range(n)
+        ]
         # Private buffers: None where replica j uses the module's own tensor (replica 0 on
         # the buffer's device), else a copy on replica j's device.
         self.private: list[list[torch.Tensor | None]] = []
@@ -444,8 +448,13 @@ class _Replicas:
         new_od = OrderedDict
         first = 1 if self.own else 0
         for j in range(first, len(self.devices)):
-            for rep, src_dict, kids, simple in zip(
-                self.replicas[j], dicts, self.children[j], self.simple, strict=True
+            for rep, src_dict, kids, simple, hooks in zip(
+                self.replicas[j],
+                dicts,
+                self.children[j],
+                self.simple,
+                self.hook_tables[j],
+                strict=True,
             ):
                 if simple:  # no parameters, no buffers, no custom hooks: most modules
                     d = src_dict.copy()
@@ -454,6 +463,7 @@ class _Replicas:
                     d["_is_replica"] = True
                     d["_buffers"] = {}
                     d["_former_parameters"] = new_od()
+                    _own_hooks(d, hooks)
                     set_dict(rep, "__dict__", d)
         for j, records in enumerate(self.complex):
             if not records or j < first:
@@ -484,6 +494,7 @@ class _Replicas:
                 # torch exposes the copies here for DDP (#33907); harmless elsewhere.
                 d["_former_parameters"] = new_od(attrs)
                 d.update(attrs)
+                _own_hooks(d, self.hook_tables[j][i])
                 set_dict(rep, "__dict__", d)
         replicas = [reps[0] for reps in self.replicas]
         if self.own:
@@ -514,12 +525,36 @@ class _Replicas:
             [(name, tensors[slot]) for name, slot in pslots]
         )
         d["_former_parameters"] = attrs
+        _own_hooks(d, self.hook_tables[j][i])
         object.__setattr__(rep, "__dict__", d)
         if pslots:
             for name, value in attrs.items():
                 setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
             # setattr registers a same-device Parameter: keep replicas free of them.
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+
+
+def _own_hooks(d: dict[str, Any], mine: list[Any]) -> None:
+    """Give a replica's new ``__dict__`` forward-hook tables of its own, equal to its source's.
+
+    A replica's ``__dict__`` is a shallow copy of its source's: without this, a hook registered
+    during a replica's forward (lazily, as transformers' output capture does on the first
+    ``output_hidden_states=True`` call) would land in the user's module too and fire twice
+    from then on (torch's replicate has that flaw). ``mine`` holds the replica's tables between
+    calls: while both the source's and the replica's are empty (the usual case) the same empty
+    table is reused, otherwise the source's is copied, so the replica always starts a call
+    with its source's hooks and nothing it registers outlives the call.
+    """
+    src = d.get("_forward_hooks")
+    if src is not None:
+        if src or mine[0]:
+            mine[0] = src.copy()
+        d["_forward_hooks"] = mine[0]
+    src = d.get("_forward_pre_hooks")
+    if src is not None:
+        if src or mine[1]:
+            mine[1] = src.copy()
+        d["_forward_pre_hooks"] = mine[1]
 
 
 def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> tuple[torch.device, ...]:

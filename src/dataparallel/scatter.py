@@ -16,6 +16,7 @@ import torch
 
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
+from dataparallel.packed import PackedNode, take_packed
 from dataparallel.plan import build_plan, check_options
 from dataparallel.plan_model import (
     BroadcastNode,
@@ -25,6 +26,7 @@ from dataparallel.plan_model import (
     SplitNode,
     StructNode,
 )
+from dataparallel.records import move_item
 from dataparallel.tree import LIST, TooDeep, map_tensors, rebuild
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
@@ -48,6 +50,7 @@ def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     # Without a cast, a tensor already on ``device`` is returned as is: per-sample lists test
     # that inline instead of calling ``move`` for every item.
     move.device = device if dtype is None else None  # type: ignore[attr-defined]
+    move.target = device  # type: ignore[attr-defined]  # where records' own .to sends them
     return move
 
 
@@ -76,17 +79,18 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
             here = fn.device
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
+            target = fn.target
             try:
                 if here is not None:
                     items = [
                         x
                         if type(x) is tensor and x.device == here
-                        else map_tensors(x, fn, move_plain)
+                        else move_item(x, fn, move_plain, target)
                         for x in items
                     ]
                 else:
                     items = [
-                        fn(x) if type(x) is tensor else map_tensors(x, fn, move_plain)
+                        fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
                         for x in items
                     ]
             except TooDeep:  # a cycle inside an item: the plan did not walk it
@@ -96,6 +100,8 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
         if isinstance(node.obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
             return tuple(items)
         return rebuild(LIST, node.obj, [], items)
+    if isinstance(node, PackedNode):
+        return take_packed(node, start, length, move)
     if isinstance(node, BroadcastNode):
         if not node.moves:
             return node.obj

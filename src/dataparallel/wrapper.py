@@ -21,8 +21,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from dataparallel.compiled import check_not_compiled
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import ScalarMode, first_batch_size, gather
+from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
 from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan, vote_batch_size
 from dataparallel.replicate import replicate
@@ -107,6 +109,11 @@ class DataParallel(nn.Module):
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
             ``"stack"``.
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
+        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
+            arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
+            in place of its size: for a loss computed in ``forward`` as a mean over tokens,
+            return the chunk's count of labelled tokens and the gathered loss is the
+            one-device one. Ignored when ``gather`` is overridden.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -129,6 +136,7 @@ class DataParallel(nn.Module):
         strict: bool = False,
         scalars: str = "mean",
         gather: bool = True,
+        scalar_weights: ScalarWeights | None = None,
     ) -> None:
         super().__init__()
         _check_module(module)
@@ -142,6 +150,7 @@ class DataParallel(nn.Module):
         )
         check_runnable([self.output_device], where="output_device", indexed=False)
         self.src_device_obj = self.device_ids[0]
+        check_not_compiled(module, self.device_ids)
         self.dim = dim
         self.options: dict[str, Any] = {
             "batch_size": batch_size,
@@ -158,6 +167,12 @@ class DataParallel(nn.Module):
         build_plan((), None, self.device_ids, dim, **probe)
         self.scalars = _check_scalars(scalars)
         self.gather_outputs = gather
+        if scalar_weights is not None and not callable(scalar_weights):
+            raise TypeError(
+                f"scalar_weights: expected a function (chunk_args, chunk_kwargs) -> number, got "
+                f"{type(scalar_weights).__name__}; e.g. lambda a, kw: (kw['labels'] != -100).sum()"
+            )
+        self.scalar_weights = scalar_weights
         self._warned: set[tuple[str, ...]] = set()
 
     # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
@@ -252,9 +267,12 @@ class DataParallel(nn.Module):
         devices: list[torch.device] = []
         sizes: list[int] = []
         seconds: list[Any] = []
+        weights: list[float] = []
         for wave in plan.slices:
             wave_devices = [device for device, _, _ in wave]
             wave_inputs, wave_kwargs = self._scatter_wave(inputs, kwargs, plan, wave)
+            if self.scalar_weights is not None:
+                weights.extend(chunk_weights(self.scalar_weights, wave_inputs, wave_kwargs))
             if type(self).scatter is DataParallel.scatter:
                 wave_sizes = [length for _, _, length in wave]
             else:  # the override chose the chunks: read their sizes, pair devices as torch does
@@ -290,8 +308,8 @@ class DataParallel(nn.Module):
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
         if type(self).scatter is not DataParallel.scatter:
-            return self._gather(outputs, None)  # the override chose the chunks: infer them
-        return self._gather(outputs, sizes)
+            return self._gather(outputs, None, weights or None)  # override chose the chunks
+        return self._gather(outputs, sizes, weights or None)
 
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, device_ids: Sequence[Any]
@@ -364,11 +382,18 @@ class DataParallel(nn.Module):
                 self.__dict__.pop("_wave_devices", None)
         return parallel_apply(replicas, inputs, kwargs, devices, timings=timings)
 
-    def _gather(self, outputs: list[Any], sizes: list[int] | None) -> Any:
+    def _gather(
+        self, outputs: list[Any], sizes: list[int] | None, weights: list[float] | None = None
+    ) -> Any:
         if type(self).gather is not DataParallel.gather:
             return self.gather(outputs, self.output_device)
         return gather(
-            outputs, self.output_device, self.dim, chunk_sizes=sizes, scalars=self.scalars
+            outputs,
+            self.output_device,
+            self.dim,
+            chunk_sizes=sizes,
+            scalars=self.scalars,
+            scalar_weights=weights,
         )
 
     def _check_module_device(self) -> None:
@@ -572,6 +597,9 @@ class DataParallelCriterion(nn.Module):
         )
         self.dim = dim
         self.scalars = _check_scalars(scalars)
+        # torch's mean-reduced losses: sum per device, divide once by the global count
+        # (kept out of the module tree, so state_dict is the criterion's alone)
+        self.__dict__["_exact"] = exact_parts(criterion) if self.scalars == "mean" else None
 
     def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
         """The loss of ``outputs`` against ``targets``, computed where the outputs are."""
@@ -590,15 +618,19 @@ class DataParallelCriterion(nn.Module):
         chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
         args = [(out, *chunk_args) for out, (chunk_args, _) in zip(outputs, chunks, strict=True)]
         chunk_kwargs = [k for _, k in chunks]
+        target = self.output_device or devices[0]
         if len(outputs) == 1:
             losses = [self.criterion(*args[0], **chunk_kwargs[0])]
         else:
+            exact: SumAndCount | None = self.__dict__["_exact"]
+            runner = exact or self.criterion
             # A loss function has no state to copy: every device calls it as it is.
             replicas: Any = (
-                replicate(self.criterion, devices)
-                if isinstance(self.criterion, nn.Module)
-                else [self.criterion] * len(devices)
+                replicate(runner, devices)
+                if isinstance(runner, nn.Module)
+                else [runner] * len(devices)
             )
             losses = parallel_apply(replicas, args, chunk_kwargs, devices)
-        target = self.output_device or devices[0]
+            if exact is not None:
+                return combine(losses, target)
         return gather(losses, target, self.dim, chunk_sizes=sizes, scalars=self.scalars)

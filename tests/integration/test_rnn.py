@@ -1,0 +1,109 @@
+"""nn.LSTM on a PackedSequence (split by sequence) and on padded input with lengths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import (
+    PackedSequence,
+    pack_padded_sequence,
+    pad_packed_sequence,
+)
+
+import dataparallel as dp
+
+from ._oracle import LAYOUTS, check
+
+T, F, H = 8, 3, 5
+
+
+def padded_batch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, T, F, generator=gen)
+    lengths = torch.tensor([1 + (3 * i + 2) % T for i in range(batch)])
+    return x, lengths
+
+
+class PackedLSTM(nn.Module):
+    """A PackedSequence in, a PackedSequence and the last hidden state (batch first) out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(F, H, num_layers=2, batch_first=True)
+
+    def forward(self, packed: PackedSequence) -> tuple[PackedSequence, torch.Tensor]:
+        out, (h, _) = self.lstm(packed)
+        return out, h[-1]  # h is (layers, batch, H): batch on dim 1, so return a batch-first view
+
+
+def _packed_loss(out: Any) -> torch.Tensor:
+    padded, lengths = pad_packed_sequence(out[0], batch_first=True)
+    return padded.pow(2).sum() / lengths.sum() + out[1].pow(2).mean()
+
+
+@pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
+def test_lstm_on_packed_sequence(devices: list[str], batch: int) -> None:
+    x, lengths = padded_batch(batch)
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    check("lstm PackedSequence", PackedLSTM(), (packed,), {}, _packed_loss, devices)
+    plan = dp.plan((packed,), None, devices)
+    assert plan.batch_size == batch and plan.entries[0].rule == "split"
+    assert "split by sequence" in plan.entries[0].why
+
+
+def test_packed_chunks_are_whole_sequences_and_gradients_reach_the_input() -> None:
+    x, lengths = padded_batch(5)
+    x.requires_grad_(True)
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    chunks = dp.scatter((packed,), ["cpu", "cpu"])
+    got = [pad_packed_sequence(c[0], batch_first=True) for c in chunks]
+    assert [len(lens) for _, lens in got] == [3, 2]
+    assert torch.equal(torch.cat([lens for _, lens in got]), lengths)
+    for (padded, lens), start in zip(got, [0, 3], strict=True):
+        for i, n in enumerate(lens.tolist()):
+            assert torch.equal(padded[i, :n], x[start + i, :n].detach())
+    sum(p.sum() for p, _ in got).backward()
+    expected = (torch.arange(T)[None, :] < lengths[:, None]).float()[..., None].expand_as(x)
+    assert torch.equal(x.grad, expected)
+
+
+class PaddedLSTM(nn.Module):
+    """torch's recipe for padded input and lengths: pack inside, unpack to total_length, so
+    every chunk's output has the full time dimension and the chunks concatenate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(F, H, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return out
+
+
+@pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
+def test_lstm_on_padded_input_with_lengths(devices: list[str], batch: int) -> None:
+    x, lengths = padded_batch(batch)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    check("lstm padded + lengths", PaddedLSTM(), (x, lengths), {}, loss, devices)
+
+
+def test_packed_sequence_on_one_device_takes_the_plan() -> None:
+    """One device: the plan still re-packs (lengths stay on the CPU, as torch requires)."""
+    x, lengths = padded_batch(5)
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    model = PackedLSTM()
+    out, h = dp.DataParallel(model, ["cpu"])(packed)
+    ref, ref_h = model(packed)
+    assert out.batch_sizes.device.type == "cpu"
+    assert torch.equal(pad_packed_sequence(out, True)[0], pad_packed_sequence(ref, True)[0])
+    assert torch.equal(h, ref_h)
