@@ -27,8 +27,8 @@ import torch
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
-from dataparallel.tree import rebuild_mapping, rebuild_sequence
 from dataparallel.packed import gather_packed, is_packed
+from dataparallel.tree import rebuild_mapping, rebuild_sequence
 
 __all__ = ["ScalarMode", "first_batch_size", "gather"]
 

@@ -30,7 +30,7 @@ __all__ = ["ScalarWeights", "SumAndCount", "chunk_weights", "combine", "exact_pa
 ScalarWeights = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def exact_parts(criterion: nn.Module) -> SumAndCount | None:
+def exact_parts(criterion: Callable[..., Any]) -> SumAndCount | None:
     """A :class:`SumAndCount` for ``criterion`` when it is one of torch's mean-reduced losses.
 
     ``None`` for anything else: a loss written by the user (whose ``reduction`` attribute, if

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from dataparallel.markers import Shared, Split
-from dataparallel.tree import container_kind, map_tensors, rebuild, struct_items
+from dataparallel.tree import (
+    MAX_DEPTH,
+    TooDeep,
+    container_kind,
+    map_tensors,
+    rebuild,
+    struct_items,
+)
 
 __all__ = ["has_to", "move_item"]
 
@@ -37,14 +44,20 @@ def has_to(obj: Any) -> bool:
     return not isinstance(obj, _NEVER) and callable(getattr(type(obj), "to", None))
 
 
-def contains_record(obj: Any) -> bool:
-    """Whether ``obj`` is, or holds in nested containers, a record with ``.to``."""
+def contains_record(obj: Any, _depth: int = 0) -> bool:
+    """Whether ``obj`` is, or holds in nested containers, a record with ``.to``.
+
+    Raises:
+        TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
+    """
+    if _depth > MAX_DEPTH:
+        raise TooDeep
     if has_to(obj):
         return True
     kind = container_kind(obj)
     if kind is None:
         return False
-    return any(contains_record(v) for v in struct_items(obj, kind)[1])
+    return any(contains_record(v, _depth + 1) for v in struct_items(obj, kind)[1])
 
 
 def move_item(
@@ -52,12 +65,21 @@ def move_item(
     fn: Callable[[torch.Tensor], torch.Tensor],
     shared_fn: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device,
+    _depth: int = 0,
 ) -> Any:
-    """One per-sample item on ``device``: records by their own ``.to``, tensors by ``fn``."""
+    """One per-sample item on ``device``: records by their own ``.to``, tensors by ``fn``.
+
+    Raises:
+        TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
+    """
+    if _depth > MAX_DEPTH:
+        raise TooDeep
     if has_to(obj):
         return copy.copy(obj).to(device)
     kind = container_kind(obj)
     if kind is None:
         return map_tensors(obj, fn, shared_fn)  # a tensor, a marker or a plain leaf
     keys, values = struct_items(obj, kind)
-    return rebuild(kind, obj, keys, [move_item(v, fn, shared_fn, device) for v in values])
+    return rebuild(
+        kind, obj, keys, [move_item(v, fn, shared_fn, device, _depth + 1) for v in values]
+    )
