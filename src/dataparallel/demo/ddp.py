@@ -25,6 +25,7 @@ from dataparallel.demo.options import (
     TrainOptions,
     TrainResult,
     UsageError,
+    check_finite_loss,
     load_data,
     resolve_hyper,
 )
@@ -118,6 +119,8 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             seconds = time.perf_counter() - t0
             trained, train_time = trained + n, train_time + seconds
             sums = gather_all(torch.tensor([[loss_sum, seen]], dtype=torch.float64))
+            # Every rank sees the same sums, so every rank stops here together.
+            check_finite_loss(float(sums[:, 0].sum()), epoch + 1, None, lr)
             accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
             stats = EpochStats(
                 epoch + 1,
