@@ -170,7 +170,8 @@ def _report_failure(exc: Exception) -> int:
         return 141
     # The first failure that is a cause, not a worker that only lost its peer.
     causes = {r: f for r, f in failures.items() if f.exitcode != PEER_GONE_EXIT} or failures
-    rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+    # Workers the agent stopped with SIGTERM after the first failure come last on a tie.
+    rank = min(causes, key=lambda r: (causes[r].timestamp, causes[r].exitcode == -signal.SIGTERM))
     failure = causes[rank]
     code = failure.exitcode
     if code in QUIET_EXIT_CODES:
