@@ -172,7 +172,8 @@ def _bench(args: argparse.Namespace) -> int:
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks" / "__main__.py").is_file():
         raise UsageError(
-            "bench: the benchmarks/ folder of a source checkout is needed; clone the "
+            "bench: expected the benchmarks/ folder of a source checkout beside the package, "
+            "got an installed package without it (the benchmarks do not ship); fix: clone the "
             "repository and run `make bench` there"
         )
     if str(checkout) not in sys.path:
