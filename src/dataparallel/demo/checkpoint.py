@@ -82,7 +82,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         UsageError: the file is missing, unreadable, or not a checkpoint of this demo.
     """
-    fix = "point --checkpoint at a file written by `dataparallel train`, or drop --resume"
+    fix = "fix: point --checkpoint at a file written by `dataparallel train`, or drop --resume"
     if not Path(path).is_file():
         raise UsageError(f"--checkpoint {str(path)!r}: no such file to resume from; {fix}")
     try:
@@ -90,7 +90,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:
         # torch's own message advises weights_only=False, which would run any code the file
         # names: never relay it. Say what the file is not, and what to do.
-        if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+        text = str(exc)
+        if isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in text:
             reason = "it names code or types a checkpoint never holds; refused without running it"
         else:
             reason = f"truncated, corrupt or not a torch file: {type(exc).__name__}"
