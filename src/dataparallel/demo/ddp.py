@@ -131,12 +131,12 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             )
             history.append(stats)
             if main:
-                print_epoch(stats, epochs, out)
-                if opts.checkpoint:
+                if opts.checkpoint:  # written before the epoch's line, as in dp
                     save_checkpoint(
                         opts.checkpoint,
                         checkpoint_state(epoch + 1, net, optimizer, history, config),
                     )
+                print_epoch(stats, epochs, out)
         loads = gather_all(last)
         accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
         devices = [str(d) for d in gather_all([str(device)])]

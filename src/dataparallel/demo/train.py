@@ -197,11 +197,11 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
         accuracy, _ = _evaluate(net, predict, data, batch_size, opts.trace)
         stats = EpochStats(epoch + 1, loss_sum / n, accuracy, n / seconds, seconds)
         history.append(stats)
-        print_epoch(stats, epochs, out)
-        if opts.checkpoint:
+        if opts.checkpoint:  # written before the epoch's line, so the line means it is kept
             save_checkpoint(
                 opts.checkpoint, checkpoint_state(epoch + 1, net, optimizer, history, config)
             )
+        print_epoch(stats, epochs, out)
     accuracy, classes = _evaluate(net, predict, data, batch_size, opts.trace)
     return TrainResult(
         data=data.spec,
