@@ -97,11 +97,14 @@ def launch(
         module: the module to run; ``"dataparallel"`` is the command line.
 
     Returns:
-        0 when every worker succeeded, else the first failed worker's exit code (1 if it had
-        none).
+        0 when every worker succeeded; else the exit code of the first worker that failed
+        (128 + N for one killed by signal N), with one line on stderr unless the worker already
+        said why (:data:`QUIET_EXIT_CODES`); 128 + N when this process got signal N (the
+        workers are stopped first).
 
     Raises:
         ValueError: a bad count, or several nodes without a shared endpoint and id.
+        KeyboardInterrupt: Ctrl-C (SIGINT), after the workers were stopped.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
