@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train explain test lint bench bench-gpu clean
+.PHONY: setup train explain test lint bench bench-gpu readme-figures check-bare clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,15 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# Run the default training (and on two CPU replicas), keep the figures in benchmarks/results/,
+# and rewrite the README's marked figures from them and from benchmarks/results/latest-cpu.json.
+readme-figures: $(STAMP)
+	$(BIN)/python scripts/readme_figures.py --run
+
+# A bare install (the wheel, no extras, offline) tries every command of the CLI.
+check-bare: $(STAMP)
+	$(BIN)/python scripts/bare_install.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

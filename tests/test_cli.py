@@ -286,7 +286,7 @@ def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "batch size 0": (["train", "--batch-size", "0"], "--batch-size"),
         "unreadable checkpoint": (
             ["train", "--checkpoint", str(garbage), "--resume"],
-            "cannot read it as a checkpoint",
+            "cannot be read as one",
         ),
         "missing checkpoint": (
             ["train", "--checkpoint", str(tmp_path / "none.pt"), "--resume"],

@@ -1,13 +1,19 @@
 """The ``dataparallel`` command line: ``train``, ``explain`` and ``bench``.
 
-This module only parses arguments and turns bad input into one line on stderr
-(``dataparallel: error: ...``) and exit code 2; the work lives in
-:mod:`dataparallel.demo.train` and the library itself.
+This module only parses arguments and turns every way a run can end into one line on stderr
+and a conventional exit code; the work lives in :mod:`dataparallel.demo.train` and the library
+itself. Exit codes: 0 done; 2 bad usage or input (``dataparallel: error: ...``, found before the
+first epoch); 3 training stopped (the loss was no longer finite); 130 interrupted (Ctrl-C; the
+last complete checkpoint is kept); 141 the reader of the output went away (``... | head``),
+ending quietly as a command killed by ``SIGPIPE`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,9 +51,31 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a number, got {text!r}; fix: pass a number such as 0.01"
+        ) from None
+    if not (value > 0 and math.isfinite(value)):  # NaN fails both
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number > 0, got {text!r}; fix: pass a number such as 0.01"
+        )
+    return value
+
+
+SEED_LIMIT = 2**63
+"""Seeds are 0 <= seed < 2**63: torch's generators take 64 bits, and each epoch adds its index."""
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, got {text!r}; fix: pass a seed such as 0"
+        ) from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in 0..2**63-1, got {value}; fix: pass a seed such as 0"
+        )
     return value
 
 
@@ -89,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--lr", type=_positive_float, help="SGD learning rate (default: per dataset)")
     t.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum (0.9)")
-    t.add_argument("--seed", type=int, default=0, help="seed for the model and data order (0)")
+    t.add_argument("--seed", type=_seed, default=0, help="seed for the model and data order (0)")
     t.add_argument(
         "--devices",
         default="auto",
@@ -144,7 +172,8 @@ def _bench(args: argparse.Namespace) -> int:
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "benchmarks" / "__main__.py").is_file():
         raise UsageError(
-            "bench: the benchmarks/ folder of a source checkout is needed; clone the "
+            "bench: expected the benchmarks/ folder of a source checkout beside the package, "
+            "got an installed package without it (the benchmarks do not ship); fix: clone the "
             "repository and run `make bench` there"
         )
     if str(checkout) not in sys.path:
@@ -153,6 +182,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     argv = [] if args.full else ["--quick"]
     if args.out:
+        from dataparallel.demo.options import check_output_path
+
+        check_output_path("bench --out", args.out)
         argv += ["--out", args.out]
     return bench_main(argv)
 
@@ -202,15 +234,55 @@ def _explain(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 2 bad usage or input).
+    """Run the command line; returns the exit code (see the module's docstring).
 
     Args:
         argv: the arguments after the program name; ``None`` reads ``sys.argv``.
     """
-    from dataparallel.demo.options import TrainOptions, UsageError
+    from dataparallel.launch import PEER_GONE_EXIT, peer_gone, watch_launcher
+
+    # A worker of `--strategy ddp --nproc-per-node N` ends when its launcher dies, however.
+    launched = watch_launcher()
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed reader shows here, not at exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE: what a shell shows for `cmd | head`
+    except Exception as exc:
+        if not (launched and peer_gone(exc)):
+            raise
+        # Another worker ended first (its error, or `| head` closing rank 0's output): the
+        # launcher reports that one; this worker's gloo traceback would only hide it.
+        return PEER_GONE_EXIT
+    except KeyboardInterrupt as exc:
+        if not launched:  # the launcher says it once for all its workers
+            note = f"; {exc}" if str(exc) else ""
+            _say(f"{PROG}: interrupted{note}")
+        return 130
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(BrokenPipeError, ValueError):  # stderr closed: nothing to tell
+        print(line, file=sys.stderr, flush=True)
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout again at exit and would print "Exception ignored ... BrokenPipe";
+    # point the descriptor at /dev/null so that last flush succeeds quietly.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _run(args_list: list[str]) -> int:
+    from dataparallel.demo.options import TrainingError, TrainOptions, UsageError
     from dataparallel.demo.train import run_train
 
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    rank = os.environ.get("RANK", "0")
+    prefix = PROG if rank == "0" else f"{PROG} (rank {rank})"
     try:
         args = build_parser().parse_args(args_list)
         if args.command == "train":
@@ -238,9 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
     except (_UsageError, UsageError) as exc:
-        message = " ".join(str(exc).split())  # one line, whatever the message held
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        _say(f"{prefix}: error: {_one_line(exc)}")
         return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    except TrainingError as exc:
+        _say(f"{prefix}: error: {_one_line(exc)}")
+        return 3
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())  # one line, whatever the message held

@@ -5,6 +5,10 @@
 port is picked, never a fixed 29500 that a second job would collide with) and on several (every
 node passes the same ``rdzv_endpoint`` and ``rdzv_id``). A failing worker stops the others and
 makes ``launch`` return non-zero, with a one-line summary instead of a page of traceback.
+
+Workers never outlive their launcher: each one started here finds the launcher's pid in
+``DATAPARALLEL_LAUNCHER_PID`` and calls :func:`watch_launcher`, which ends it within about a
+second of the launcher's death, even a ``SIGKILL`` that gives the launcher no chance to clean up.
 """
 
 from __future__ import annotations
@@ -13,10 +17,30 @@ import os
 import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["free_port", "launch"]
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "PEER_GONE_EXIT",
+    "QUIET_EXIT_CODES",
+    "free_port",
+    "launch",
+    "peer_gone",
+    "watch_launcher",
+]
+
+LAUNCHER_PID_ENV = "DATAPARALLEL_LAUNCHER_PID"
+"""Set in each worker's environment to the launcher's pid (see :func:`watch_launcher`)."""
+
+QUIET_EXIT_CODES = frozenset({2, 3, 130, 141})
+"""Worker exit codes of the command line that already said why on one line (2 bad input,
+3 training stopped, 130 interrupted, 141 output closed): the launcher adds nothing."""
+
+PEER_GONE_EXIT = 4
+"""A worker's exit code when a collective failed because another worker ended first: the
+launcher reports that other worker, never this one."""
 
 # Signals torch's elastic agent handles (and leaves handled) in the launching process.
 _HANDLED_SIGNALS = tuple(
@@ -73,11 +97,14 @@ def launch(
         module: the module to run; ``"dataparallel"`` is the command line.
 
     Returns:
-        0 when every worker succeeded, else the first failed worker's exit code (1 if it had
-        none).
+        0 when every worker succeeded; else the exit code of the first worker that failed
+        (128 + N for one killed by signal N), with one line on stderr unless the worker already
+        said why (:data:`QUIET_EXIT_CODES`); 128 + N when this process got signal N (the
+        workers are stopped first).
 
     Raises:
         ValueError: a bad count, or several nodes without a shared endpoint and id.
+        KeyboardInterrupt: Ctrl-C (SIGINT), after the workers were stopped.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -104,24 +131,31 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=0.1,
     )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     saved_env = dict(os.environ)
     # The elastic agent installs its own signal handlers in this process and leaves them.
     saved_handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     # As torchrun does: one OpenMP thread per worker unless asked, or N workers fight over cores.
     if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
+        with _quiet_agent_logs():
+            elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        code = failure.exitcode or 1
+        return _report_failure(exc)
+    except SignalException as exc:
+        # The agent turned a signal to this process into an exception, after stopping the
+        # workers. Ctrl-C is Python's KeyboardInterrupt; any other signal is 128 + its number.
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
         print(
-            f"dataparallel launch: {len(exc.failures)} worker(s) failed; first: rank {rank} "
-            f"(local rank {failure.local_rank}, pid {failure.pid}) exited with code "
-            f"{failure.exitcode}{_signal_note(failure.exitcode)}; see its traceback above",
+            f"dataparallel launch: stopped by {signal.Signals(exc.sigval).name}; the workers "
+            f"were shut down",
             file=sys.stderr,
         )
-        return code if code > 0 else 1
+        return 128 + int(exc.sigval)
     finally:
         # The launcher sets variables of its own (TORCHELASTIC_*) in this process.
         os.environ.clear()
@@ -131,10 +165,128 @@ def launch(
     return 0
 
 
-def _signal_note(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f" (signal {signal.Signals(-exitcode).name})"
-        except ValueError:
-            return f" (signal {-exitcode})"
-    return ""
+def _report_failure(exc: Exception) -> int:
+    """One line on the first failed worker (none where it already said why); the exit code."""
+    failures = exc.failures  # type: ignore[attr-defined]
+    codes = [f.exitcode for f in failures.values()]
+    if 141 in codes:  # rank 0's output was closed (`| head`): end quietly, as the reader wanted
+        return 141
+    # The first failure that is a cause, not a worker that only lost its peer.
+    causes = {r: f for r, f in failures.items() if f.exitcode != PEER_GONE_EXIT} or failures
+    # Workers the agent stopped with SIGTERM after the first failure come last on a tie.
+    rank = min(causes, key=lambda r: (causes[r].timestamp, causes[r].exitcode == -signal.SIGTERM))
+    failure = causes[rank]
+    code = failure.exitcode
+    if code in QUIET_EXIT_CODES:
+        return int(code)
+    where = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    if code < 0:
+        what = (
+            f"was killed by {_signal_name(-code)} and printed no traceback (it was ended from "
+            f"outside: out of memory, `kill`, or a signal to its group)"
+        )
+    else:
+        what = f"exited with code {code}; see its output above"
+    print(
+        f"dataparallel launch: {len(failures)} worker(s) failed; first: {where} {what}",
+        file=sys.stderr,
+    )
+    return code if code > 0 else 128 - code
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class _quiet_agent_logs:
+    """Silence torch's elastic loggers for the launch: their lines ("Received SIGINT death
+    signal, shutting down workers", "failed (exitcode: 1) local_rank: 0 ...") repeat what the
+    one-line summary says."""
+
+    def __enter__(self) -> None:
+        import logging
+
+        self._saved: dict[str, int] = {}
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logger = logging.getLogger(name)
+                self._saved[name] = logger.level
+                logger.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc: object) -> None:
+        import logging
+
+        for name, level in self._saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket closed",
+)
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another worker of the job ended first.
+
+    Its cause is that worker's, which the launcher reports; this one's traceback is noise.
+    """
+    import torch.distributed as dist
+
+    kinds: tuple[type[BaseException], ...] = (RuntimeError,)
+    if hasattr(dist, "DistError"):
+        kinds = (RuntimeError, dist.DistError)
+    return isinstance(exc, kinds) and any(text in str(exc) for text in _PEER_GONE)
+
+
+def watch_launcher(launcher_pid: int | None = None) -> bool:
+    """End this worker when its launcher dies: called first thing in each launched worker.
+
+    On Linux the kernel sends SIGTERM to this process when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``); elsewhere a daemon thread polls ``os.getppid()`` twice a
+    second. Either way a ``SIGKILL`` of the launcher leaves no worker running for more than
+    about a second. If the launcher is already gone, this process ends at once.
+
+    Args:
+        launcher_pid: the launcher's pid; ``None`` reads ``DATAPARALLEL_LAUNCHER_PID`` and does
+            nothing when it is unset (a worker started by torchrun, which watches its own).
+
+    Returns:
+        Whether a watch was set up.
+    """
+    if launcher_pid is None:
+        text = os.environ.get(LAUNCHER_PID_ENV, "")
+        if not text.isdigit():
+            return False
+        launcher_pid = int(text)
+    if not (sys.platform.startswith("linux") and _set_parent_death_signal(signal.SIGTERM)):
+        watcher = threading.Thread(
+            target=_poll_parent, args=(launcher_pid,), name="dataparallel-watch", daemon=True
+        )
+        watcher.start()
+    if os.getppid() != launcher_pid:  # it died before the watch was set
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(1, int(sig), 0, 0, 0) == 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _poll_parent(launcher_pid: int) -> None:
+    import time
+
+    while os.getppid() == launcher_pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)

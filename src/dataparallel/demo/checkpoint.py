@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import tempfile
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,7 +41,8 @@ CHECKPOINT_FORMAT = "dataparallel-demo/1"
 def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically: a temp file in the same folder, fsync, replace.
 
-    A crash mid-write leaves the previous checkpoint intact, never a truncated one.
+    A crash mid-write leaves the previous checkpoint intact, never a truncated one; the temp
+    files that such a crash (or a ``SIGKILL``) leaves behind are removed by the next write.
     """
     target = Path(path)
     folder = target.parent
@@ -55,6 +58,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _remove_stale_temps(target)
     # Make the rename itself durable where the platform allows opening a folder.
     with contextlib.suppress(OSError):
         dir_fd = os.open(folder, os.O_RDONLY)
@@ -64,21 +68,36 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
             os.close(dir_fd)
 
 
+def _remove_stale_temps(target: Path) -> None:
+    # Temp files of earlier writes of this same checkpoint that never reached os.replace (the
+    # process was killed mid-write). Only this target's prefix is touched.
+    for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``: no code runs).
 
     Raises:
         UsageError: the file is missing, unreadable, or not a checkpoint of this demo.
     """
-    fix = "point --checkpoint at a file written by `dataparallel train`, or drop --resume"
+    fix = "fix: point --checkpoint at a file written by `dataparallel train`, or drop --resume"
     if not Path(path).is_file():
         raise UsageError(f"--checkpoint {str(path)!r}: no such file to resume from; {fix}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # torch's own message advises weights_only=False, which would run any code the file
+        # names: never relay it. Say what the file is not, and what to do.
+        text = str(exc)
+        if isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in text:
+            reason = "it names code or types a checkpoint never holds; refused without running it"
+        else:
+            reason = f"truncated, corrupt or not a torch file: {type(exc).__name__}"
         raise UsageError(
-            f"--checkpoint {str(path)!r}: cannot read it as a checkpoint ({reason}); {fix}"
+            f"--checkpoint {str(path)!r}: expected a checkpoint written by `dataparallel "
+            f"train`, got a file that cannot be read as one ({reason}); {fix}"
         ) from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__

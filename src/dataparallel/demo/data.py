@@ -117,8 +117,8 @@ def load_digits_data(*, test_fraction: float = 0.2, seed: int = 0) -> DemoData:
         from sklearn.model_selection import train_test_split
     except ImportError as exc:
         raise DataError(
-            "--data digits needs scikit-learn, which is not installed; install it with "
-            "`pip install dataparallel[demo]`, or use --data random"
+            "--data digits: expected scikit-learn (it holds the digits), got none installed; "
+            "fix: pip install 'dataparallel[demo]', or use --data random"
         ) from exc
     bunch = load_digits()
     images = np.asarray(bunch.images, dtype=np.float32)  # (1797, 8, 8), values 0..16
@@ -230,7 +230,25 @@ def _batch_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
         )
     if y.size and (y.min() < 0 or y.max() >= 10):
         raise DataError(f"{path}: expected labels in 0..9, got {int(y.min())}..{int(y.max())}")
+    _check_pixels(path, data)
     return data.reshape(-1, 3, 32, 32), y
+
+
+def _check_pixels(path: Path, data: np.ndarray) -> None:
+    # The official batches hold uint8 pixels; any other array must still be 0..255, or the
+    # scaling to [-1, 1] trains on values the model never sees in real CIFAR-10.
+    fix = "fix: use the official CIFAR-10 python batches (uint8 pixels 0..255)"
+    if data.dtype == np.uint8 or data.size == 0:
+        return
+    if data.dtype.kind not in "biuf":
+        raise DataError(
+            f"{path}: expected pixel values 0..255, got an array of {data.dtype}; {fix}"
+        )
+    low, high = data.min(), data.max()
+    if not (low >= 0 and high <= 255):  # NaN fails both comparisons
+        raise DataError(
+            f"{path}: expected pixel values 0..255, got values from {low} to {high}; {fix}"
+        )
 
 
 def _class_names(folder: Path) -> tuple[str, ...]:
@@ -273,6 +291,14 @@ def load_cifar10(folder: str | os.PathLike[str]) -> DemoData:
     test_images, test_labels = _batch_arrays(test_file)
     train_images = np.concatenate([p[0] for p in parts])
     train_labels = np.concatenate([p[1] for p in parts])
+    # An empty set would train on nothing or score "accuracy 0.0000 (0/0)" and exit 0.
+    for name, labels in (("test_batch", test_labels), ("data_batch_*", train_labels)):
+        if len(labels) == 0:
+            raise DataError(
+                f"--data cifar10:{folder}: expected at least one image in {name}, got none; "
+                f"fix: use the official CIFAR-10 python batches, whose {name} hold 10,000 "
+                f"images each"
+            )
     return DemoData(
         name="cifar10",
         spec=f"cifar10:{folder}",

@@ -25,6 +25,7 @@ from dataparallel.demo.options import (
     TrainOptions,
     TrainResult,
     UsageError,
+    check_finite_loss,
     load_data,
     resolve_hyper,
 )
@@ -118,6 +119,8 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             seconds = time.perf_counter() - t0
             trained, train_time = trained + n, train_time + seconds
             sums = gather_all(torch.tensor([[loss_sum, seen]], dtype=torch.float64))
+            # Every rank sees the same sums, so every rank stops here together.
+            check_finite_loss(float(sums[:, 0].sum()), epoch + 1, None, lr)
             accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
             stats = EpochStats(
                 epoch + 1,
@@ -128,12 +131,12 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             )
             history.append(stats)
             if main:
-                print_epoch(stats, epochs, out)
-                if opts.checkpoint:
+                if opts.checkpoint:  # written before the epoch's line, as in dp
                     save_checkpoint(
                         opts.checkpoint,
                         checkpoint_state(epoch + 1, net, optimizer, history, config),
                     )
+                print_epoch(stats, epochs, out)
         loads = gather_all(last)
         accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
         devices = [str(d) for d in gather_all([str(device)])]

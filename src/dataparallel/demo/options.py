@@ -10,6 +10,10 @@ in a cycle.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from dataparallel.demo.data import DataError, DemoData, load_dataset
@@ -18,7 +22,11 @@ __all__ = [
     "EpochStats",
     "TrainOptions",
     "TrainResult",
+    "TrainingError",
     "UsageError",
+    "check_finite_loss",
+    "check_output_path",
+    "check_outputs",
     "load_data",
     "resolve_hyper",
 ]
@@ -26,6 +34,11 @@ __all__ = [
 
 class UsageError(Exception):
     """A bad option or input: the command line prints the message on one line and exits 2."""
+
+
+class TrainingError(Exception):
+    """Training cannot go on (the loss is no longer finite): one line, exit code 3. The last
+    complete checkpoint, if any, is kept as it was."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +129,71 @@ def load_data(opts: TrainOptions) -> DemoData:
         return load_dataset(opts.data)
     except DataError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def check_output_path(option: str, path: str, *, replace: bool = False) -> None:
+    """Check, before any work is done, that ``path`` can be written; create its folder.
+
+    The check writes and removes a small file beside ``path`` (what the write will do), so it
+    holds for read-only folders, a file where a folder should be, full disks and every user,
+    root included. An existing ``path`` must be a file that can be opened for writing, unless
+    ``replace`` (the file is replaced by a rename, as checkpoints are).
+
+    Raises:
+        UsageError: the path is a folder, or its folder cannot be created or written.
+    """
+    target = Path(path).expanduser()
+    fix = f"fix: pass {option} a file path in a folder you can write"
+    if target.is_dir():
+        raise UsageError(f"{option} {path!r}: expected a file path, got a folder; {fix}")
+    existing = target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(
+            f"{option} {path!r}: expected a path under a folder, got {str(existing)!r}, which "
+            f"is a file; {fix}"
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=target.parent)
+        os.close(fd)
+        os.unlink(probe)
+        if target.exists() and not replace:
+            with target.open("ab"):
+                pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(
+            f"{option} {path!r}: expected a writable path, got {reason!r} writing there; {fix}"
+        ) from exc
+
+
+def check_outputs(opts: TrainOptions) -> None:
+    """Check every output path of ``opts`` before the first epoch, so no run is lost at its end.
+
+    Raises:
+        UsageError: one of ``--checkpoint``, ``--json``, ``--plot`` cannot be written.
+    """
+    # A missing checkpoint to --resume from is reported by load_checkpoint, in its own words.
+    if opts.checkpoint and not (opts.resume and not Path(opts.checkpoint).is_file()):
+        check_output_path("--checkpoint", opts.checkpoint, replace=True)
+    if opts.json:
+        check_output_path("--json", opts.json)
+    if opts.plot:
+        check_output_path("--plot", opts.plot)
+
+
+def check_finite_loss(loss: float, epoch: int, step: int | None, lr: float) -> None:
+    """Stop a run whose loss is no longer finite, before it writes a checkpoint of it.
+
+    Raises:
+        TrainingError: ``loss`` is NaN or infinite.
+    """
+    if math.isfinite(loss):
+        return
+    where = f"epoch {epoch}" + ("" if step is None else f", step {step}")
+    raise TrainingError(
+        f"training: expected a finite loss, got {loss} at {where}; the run diverged, so it "
+        f"stops here and keeps the last complete checkpoint; fix: lower --lr (was {lr:g})"
+    )

@@ -104,8 +104,8 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise UsageError(
-            "--plot: needs matplotlib, which is not installed; install it with "
-            "`pip install dataparallel[plot]`, or drop --plot"
+            "--plot: expected matplotlib (it draws the plot), got none installed; "
+            "fix: pip install 'dataparallel[plot]', or drop --plot"
         ) from exc
 
 

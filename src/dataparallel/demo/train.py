@@ -42,6 +42,8 @@ from dataparallel.demo.options import (
     TrainOptions,
     TrainResult,
     UsageError,
+    check_finite_loss,
+    check_outputs,
     load_data,
     resolve_hyper,
 )
@@ -97,9 +99,23 @@ def parse_devices(text: str) -> list[torch.device]:
         item = raw.strip()
         specs.append(int(item) if item.isdigit() else item)
     try:
-        return resolve_devices(specs, where="--devices")
+        devices = resolve_devices(specs, where="--devices")
     except ValueError as exc:
         raise UsageError(f"{exc} (got --devices {text!r})") from exc
+    for i, device in enumerate(devices):
+        # The library takes 'cpu:1' as a second CPU device (a testing trick) and 'meta' for
+        # shapes only; neither can train: the model lives on plain 'cpu' and meta holds no data.
+        if device.type == "meta":
+            raise UsageError(
+                f"--devices[{i}]: expected a device that holds data (cpu or a CUDA index), got "
+                f"'meta'; fix: --devices cpu, or --devices 0,1 for GPUs"
+            )
+        if device.type == "cpu" and device.index is not None:
+            raise UsageError(
+                f"--devices[{i}]: expected 'cpu' (the CPU has no index), got {str(device)!r}; "
+                f"fix: repeat cpu for more replicas, e.g. --devices cpu,cpu"
+            )
+    return devices
 
 
 # ---------------------------------------------------------------------------------- loops
@@ -158,7 +174,7 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
         with contextlib.closing(
             progress_bar(n, f"epoch {epoch + 1}/{epochs}", opts.progress)
         ) as bar:
-            for part in _batches(n, batch_size):
+            for step, part in enumerate(_batches(n, batch_size), start=1):
                 idx = order[part]
                 x, y = data.train_x[idx], data.train_y[idx]
                 optimizer.zero_grad()
@@ -166,11 +182,13 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
                 if opts.trace:
                     print("Outside: input size", x.size(), "output_size", output.size(), file=out)
                 loss = criterion(output, y.to(output.device))
+                value = loss.item()
+                check_finite_loss(value, epoch + 1, step, lr)  # before the step spoils the model
                 loss.backward()
                 optimizer.step()
-                loss_sum += loss.item() * len(idx)
+                loss_sum += value * len(idx)
                 bar.update(len(idx))
-                bar.set_postfix(loss=f"{loss.item():.4f}")  # tqdm shows samples/s itself
+                bar.set_postfix(loss=f"{value:.4f}")  # tqdm shows samples/s itself
         seconds = time.perf_counter() - t0
         trained, train_time = trained + n, train_time + seconds
         call = model.last_call
@@ -179,11 +197,11 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
         accuracy, _ = _evaluate(net, predict, data, batch_size, opts.trace)
         stats = EpochStats(epoch + 1, loss_sum / n, accuracy, n / seconds, seconds)
         history.append(stats)
-        print_epoch(stats, epochs, out)
-        if opts.checkpoint:
+        if opts.checkpoint:  # written before the epoch's line, so the line means it is kept
             save_checkpoint(
                 opts.checkpoint, checkpoint_state(epoch + 1, net, optimizer, history, config)
             )
+        print_epoch(stats, epochs, out)
     accuracy, classes = _evaluate(net, predict, data, batch_size, opts.trace)
     return TrainResult(
         data=data.spec,
@@ -244,6 +262,7 @@ def _check_options(opts: TrainOptions) -> None:
         )
     if opts.plot:
         require_matplotlib()
+    check_outputs(opts)
 
 
 def train(opts: TrainOptions, out: TextIO | None = None) -> TrainResult | None:
@@ -269,15 +288,22 @@ def run_train(opts: TrainOptions, argv: Sequence[str], out: TextIO | None = None
     """
     stream = sys.stdout if out is None else out
     _check_options(opts)
-    if opts.strategy == "ddp" and opts.nproc_per_node > 1 and not _in_torchrun():
-        data = load_data(opts)
-        resolve_hyper(data, opts)
-        if opts.resume and opts.checkpoint:
-            load_checkpoint(opts.checkpoint)
-        from dataparallel.launch import launch
+    try:
+        if opts.strategy == "ddp" and opts.nproc_per_node > 1 and not _in_torchrun():
+            data = load_data(opts)
+            resolve_hyper(data, opts)
+            if opts.resume and opts.checkpoint:
+                load_checkpoint(opts.checkpoint)
+            from dataparallel.launch import launch
 
-        return launch(list(argv), nproc_per_node=opts.nproc_per_node)
-    result = train(opts, stream)
+            return launch(list(argv), nproc_per_node=opts.nproc_per_node)
+        result = train(opts, stream)
+    except KeyboardInterrupt:
+        if opts.checkpoint and os.path.isfile(opts.checkpoint):
+            raise KeyboardInterrupt(
+                f"{opts.checkpoint} keeps the last complete epoch; continue with --resume"
+            ) from None
+        raise
     if result is None:
         return 0
     print(format_report(result), file=stream, flush=True)
