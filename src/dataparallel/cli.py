@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress",
         dest="progress",
         action="store_false",
-        help="never show progress bars, even on a terminal",
+        help="never show progress bars, even on a terminal (default: bars only when stderr "
+        "is a terminal)",
     )
 
     e = sub.add_parser(
