@@ -34,5 +34,9 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
 
+# The GPU set (benchmarks/bench_gpu.py); without CUDA it says so and exits 0.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

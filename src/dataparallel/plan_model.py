@@ -7,6 +7,7 @@ data apart from the rules lets each module stay about one thing.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,5 +298,15 @@ def format_plan(p: Plan) -> str:
     widths = [max(len(r[i]) for r in received) for i in range(2)]
     for path, to, receives in received:
         lines.append(f"  {path:<{widths[0]}}  {to:<{widths[1]}}  {receives}")
-    lines.extend(f"warning: {w}" for w in p.warnings)
+    lines.extend(
+        textwrap.fill(
+            w,
+            width=100,
+            initial_indent="warning: ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for w in p.warnings
+    )
     return "\n".join(lines)
