@@ -84,17 +84,20 @@ def _per_dataset(field: str) -> str:
 
 def _scenario_list() -> str:
     """The seed scenarios' names and titles, for ``explain --help``."""
+    import torch
+
     from dataparallel.scenarios import SCENARIOS
 
     width = max(len(name) for name in SCENARIOS)
     lines = ["scenarios (the seed calls of the design; NAME picks some, default: all):"]
-    for name, make in SCENARIOS.items():
-        lines.append(f"  {name:<{width}}  {make().title}")
+    with torch.random.fork_rng(devices=[]):  # making them draws random inputs: leave no trace
+        for name, make in SCENARIOS.items():
+            lines.append(f"  {name:<{width}}  {make().title}")
     return "\n".join(lines)
 
 
 TRAIN_EXAMPLES = (
-    ("dataparallel train --epochs 1", "one epoch on the digits, on every device (default: 20)"),
+    ("dataparallel train --epochs 1", "one epoch on the digits, on every device"),
     (
         "dataparallel train --devices cpu,cpu --epochs 1",
         "two replicas on the CPU (for checking behaviour without a GPU, not for speed)",
