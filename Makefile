@@ -43,5 +43,9 @@ readme-figures: $(STAMP)
 check-bare: $(STAMP)
 	$(BIN)/python scripts/bare_install.py
 
+# The GPU set (benchmarks/bench_gpu.py); without CUDA it says so and exits 0.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -55,8 +55,8 @@ def test_seed_003_in_either_order() -> None:
     assert p.batch_size == 1 and p.chunk_sizes == [1]
     assert rules(p) == {"args[0]": "split", "args[1]": "broadcast"}
     (warning,) = p.warnings
-    assert "args[1] has size 10" in warning and "wrap it in dp.Shared" in warning
-    assert "if args[0] is not batched" in warning
+    assert "args[1] has size 10" in warning
+    assert "wrap args[0] in dp.Shared(...) if it is not batched" in warning
     # labels beside them settle it either way
     y = torch.zeros(10)
     assert dp.plan((x1, x2, y), None, CPU2).batch_size == 10
@@ -272,7 +272,7 @@ def test_str_plan_shows_the_vote_and_each_leafs_rule() -> None:
     assert "chunk sizes: [5, 5]" in lines
     # one row per leaf: its path, what it is, the rule that decided it and why
     for entry, what in zip(p.entries, ["Tensor[10, 3]", "Tensor[1, 4]", "Tensor[10]"], strict=True):
-        (row,) = [line for line in lines if line.startswith(entry.path + " ")]
+        row = next(line for line in lines if line.startswith(entry.path + " "))
         assert row.startswith(entry.path) and f" {what} float32 " in row
         assert f" {entry.rule} " in row and row.endswith(entry.why)
     assert [e.rule for e in p.entries] == ["split", "broadcast", "split"]

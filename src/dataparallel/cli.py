@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -89,79 +90,259 @@ def _momentum(text: str) -> float:
     return value
 
 
+def _wrap(text: str) -> str:
+    """One paragraph, wrapped for a terminal (the raw formatter keeps line breaks as given)."""
+    return textwrap.fill(text, width=79)
+
+
+def _examples(*pairs: tuple[str, str]) -> str:
+    """An epilog of examples: each command, then what it does (every one is run by a test)."""
+    lines = ["examples:"]
+    for command, what in pairs:
+        lines += [f"  {command}", f"      {what}"]
+    return "\n".join(lines)
+
+
+def _per_dataset(field: str) -> str:
+    """``"digits 20, random 1, cifar10 2"``: a default of every dataset, read from the code."""
+    from dataparallel.demo.data import HYPER
+
+    return ", ".join(f"{name} {getattr(hyper, field)}" for name, hyper in HYPER.items())
+
+
+def _scenario_list() -> str:
+    """The seed scenarios' names and titles, for ``explain --help``."""
+    import torch
+
+    from dataparallel.scenarios import SCENARIOS
+
+    width = max(len(name) for name in SCENARIOS)
+    lines = ["scenarios (the seed calls of the design; NAME picks some, default: all):"]
+    with torch.random.fork_rng(devices=[]):  # making them draws random inputs: leave no trace
+        for name, make in SCENARIOS.items():
+            lines.append(f"  {name:<{width}}  {make().title}")
+    return "\n".join(lines)
+
+
+TRAIN_EXAMPLES = (
+    ("dataparallel train --epochs 1", "one epoch on the digits, on every device"),
+    (
+        "dataparallel train --devices cpu,cpu --epochs 1",
+        "two replicas on the CPU (for checking behaviour without a GPU, not for speed)",
+    ),
+    (
+        "dataparallel train --data random --devices cpu,cpu,cpu --trace",
+        "the tutorial's RandomDataset, printing its In Model / Outside sizes",
+    ),
+    (
+        "dataparallel train --epochs 2 --checkpoint run.pt --json run.json --plot run.png",
+        "write run.pt after every epoch, the figures as JSON and a PNG of the curves",
+    ),
+    (
+        "dataparallel train --epochs 3 --checkpoint run.pt --resume",
+        "continue run.pt from where it stopped, up to 3 epochs in all",
+    ),
+    (
+        "dataparallel train --data cifar10:cifar-10-batches-py",
+        "the real CIFAR-10: the python batches unpacked in ./cifar-10-batches-py",
+    ),
+    (
+        "dataparallel train --strategy ddp --nproc-per-node 2 --data random",
+        "two DDP worker processes on this machine (gloo on CPU, nccl on GPUs)",
+    ),
+)
+EXPLAIN_EXAMPLES = (
+    ("dataparallel explain", "the plan of every seed scenario"),
+    ("dataparallel explain S2 S5-chunks", "two of them: a shared input, a cast with chunk sizes"),
+    (
+        "dataparallel explain --data digits --devices cpu,cpu",
+        "how one training batch of the digits is split over two CPU replicas",
+    ),
+    (
+        "dataparallel explain --data random --batch-size 10 --devices cpu,cpu,cpu",
+        "the tutorial's last batch of 10 on three replicas (4/3/3)",
+    ),
+)
+BENCH_EXAMPLES = (
+    ("dataparallel bench", "the quick set, about 30 s; JSON in benchmarks/results/"),
+    ("dataparallel bench --out bench.json", "the same, JSON in bench.json"),
+    ("dataparallel bench --full", "the full set, about 1.5 minutes"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+    """The argument parser for every subcommand; each ``--help`` ends with examples."""
+    raw = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
         description="Run one PyTorch module over many devices on one batch, and get the "
         "batch right.",
+        epilog=_examples(TRAIN_EXAMPLES[0], EXPLAIN_EXAMPLES[1], BENCH_EXAMPLES[0])
+        + "\n\n"
+        + _wrap(
+            "Each command has its own help, with more examples: dataparallel train -h, "
+            "dataparallel explain -h, dataparallel bench -h."
+        ),
+        formatter_class=raw,
     )
     sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
 
     t = sub.add_parser(
         "train",
         help="train the tutorial's classifier on every device",
-        description="Train the PyTorch tutorial's CIFAR-10 classifier (on scikit-learn's "
-        "digits by default) with DataParallel or DDP, and report accuracy per class, "
-        "throughput and the per-replica load.",
+        description=_wrap(
+            "Train the PyTorch tutorial's CIFAR-10 classifier (on scikit-learn's digits by "
+            "default) with DataParallel or DDP, and report accuracy per class, throughput and "
+            "the per-replica load."
+        ),
+        epilog=_examples(*TRAIN_EXAMPLES),
+        formatter_class=raw,
     )
     t.add_argument(
         "--data",
         default="digits",
-        help="digits (default), random (the tutorial's RandomDataset) or cifar10:DIR "
-        "(the official CIFAR-10 python batches in DIR)",
+        help="digits (scikit-learn's 8x8 digits, bundled), random (the tutorial's "
+        "RandomDataset) or cifar10:DIR (the official CIFAR-10 python batches in DIR) "
+        "(default: %(default)s)",
     )
-    t.add_argument("--epochs", type=_int_at_least(0), help="default: per dataset (digits 20)")
     t.add_argument(
-        "--batch-size", type=_int_at_least(1), help="global batch size (default: per dataset)"
+        "--epochs",
+        type=_int_at_least(0),
+        metavar="N",
+        help=f"epochs in all, counting those a resumed checkpoint holds (default per dataset: "
+        f"{_per_dataset('epochs')})",
     )
-    t.add_argument("--lr", type=_positive_float, help="SGD learning rate (default: per dataset)")
-    t.add_argument("--momentum", type=_momentum, default=0.9, help="SGD momentum (0.9)")
-    t.add_argument("--seed", type=_seed, default=0, help="seed for the model and data order (0)")
+    t.add_argument(
+        "--batch-size",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"global batch size, split over the devices (default per dataset: "
+        f"{_per_dataset('batch_size')})",
+    )
+    t.add_argument(
+        "--lr",
+        type=_positive_float,
+        help=f"SGD learning rate (default per dataset: {_per_dataset('lr')})",
+    )
+    t.add_argument(
+        "--momentum", type=_momentum, default=0.9, help="SGD momentum (default: %(default)s)"
+    )
+    t.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed of the model's initial weights and of each epoch's order (default: %(default)s)",
+    )
     t.add_argument(
         "--devices",
         default="auto",
-        help='comma list such as "cpu,cpu" or "0,1"; auto (default): every GPU, else the CPU',
+        help='dp: a comma list such as "cpu,cpu" or "0,1" (CUDA indices); auto: every GPU, '
+        "else one CPU replica (default: %(default)s)",
     )
-    t.add_argument("--strategy", choices=("dp", "ddp"), default="dp", help="dp (default) or ddp")
+    t.add_argument(
+        "--strategy",
+        choices=("dp", "ddp"),
+        default="dp",
+        help="dp: DataParallel in this process; ddp: DistributedDataParallel, one process "
+        "per device (default: %(default)s)",
+    )
     t.add_argument(
         "--nproc-per-node",
         type=_int_at_least(1),
         default=1,
-        help="ddp: worker processes to launch (default 1, in this process)",
+        metavar="N",
+        help="ddp: worker processes to launch on this machine; 1 runs in this process "
+        "(default: %(default)s)",
     )
     t.add_argument(
-        "--trace", action="store_true", help="print the tutorial's In Model / Outside sizes"
+        "--trace",
+        action="store_true",
+        help="print the tutorial's In Model / Outside tensor sizes at every step (default: off)",
     )
-    t.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here every epoch")
-    t.add_argument("--resume", action="store_true", help="continue from --checkpoint PATH")
-    t.add_argument("--plot", metavar="PATH", help="PNG of loss and accuracy per epoch")
-    t.add_argument("--json", metavar="PATH", help="write the final figures as JSON")
+    t.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="write a checkpoint to PATH after every epoch (default: none)",
+    )
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint PATH up to --epochs in all (default: off)",
+    )
+    t.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of loss and accuracy per epoch; needs matplotlib (default: none)",
+    )
+    t.add_argument("--json", metavar="PATH", help="write the final figures as JSON (default: none)")
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show a progress bar per epoch (default: only when stderr is a terminal)",
     )
-    progress.add_argument("--no-progress", dest="progress", action="store_false")
+    progress.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="never show progress bars, even on a terminal (default: bars only when stderr "
+        "is a terminal)",
+    )
 
     e = sub.add_parser(
         "explain",
         help="print how batches are split",
-        description="Print the plan (how each input is split, per-sample or broadcast, and "
-        "why) for the seed scenarios of the design, or for one training batch of --data.",
+        description=_wrap(
+            "Print the plan (how each input is split, per-sample or broadcast, and why, and "
+            "what each device receives) for the seed scenarios of the design, or for one "
+            "training batch of --data."
+        )
+        + "\n\n"
+        + _scenario_list(),
+        epilog=_examples(*EXPLAIN_EXAMPLES),
+        formatter_class=raw,
     )
-    e.add_argument("scenarios", nargs="*", metavar="NAME", help="scenario names (default: all)")
-    e.add_argument("--data", help="explain one training batch of this dataset instead")
-    e.add_argument("--batch-size", type=_int_at_least(1), help="batch size for --data")
-    e.add_argument("--devices", default="auto", help='devices for --data, e.g. "cpu,cpu"')
+    e.add_argument(
+        "scenarios", nargs="*", metavar="NAME", help="scenario names, listed above (default: all)"
+    )
+    e.add_argument(
+        "--data",
+        help="explain one training batch of this dataset instead: digits, random or "
+        "cifar10:DIR (default: none, the scenarios)",
+    )
+    e.add_argument(
+        "--batch-size",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"with --data: the batch size (default: the dataset's, {_per_dataset('batch_size')})",
+    )
+    e.add_argument(
+        "--devices",
+        help='with --data: a comma list such as "cpu,cpu", or auto (default: auto, as for train)',
+    )
 
     b = sub.add_parser(
         "bench",
         help="measure overhead and scaling against baselines (the quick set)",
-        description="Run the quick benchmark set (ratios against baselines measured in the same "
-        "run), print a table and write JSON. Needs a source checkout (benchmarks/).",
+        description=_wrap(
+            "Run the quick benchmark set (ratios against baselines measured in the same run), "
+            "print a table and write JSON. Needs a source checkout (benchmarks/)."
+        ),
+        epilog=_examples(*BENCH_EXAMPLES),
+        formatter_class=raw,
     )
-    b.add_argument("--full", action="store_true", help="the full set (about 1.5 minutes)")
-    b.add_argument("--out", help="JSON file (default: benchmarks/results/<timestamp>.json)")
+    b.add_argument(
+        "--full",
+        action="store_true",
+        help="the full set, about 1.5 minutes (default: the quick set, about 30 s)",
+    )
+    b.add_argument(
+        "--out",
+        metavar="PATH",
+        help="JSON file (default: benchmarks/results/<timestamp>.json)",
+    )
     return parser
 
 
@@ -194,14 +375,27 @@ def _explain(args: argparse.Namespace, out: TextIO) -> int:
     from dataparallel.demo.train import parse_devices
     from dataparallel.plan import plan
 
-    if args.data is not None:
+    if args.data is None:
+        given = [
+            (flag, value)
+            for flag, value in (("--devices", args.devices), ("--batch-size", args.batch_size))
+            if value is not None
+        ]
+        if given:
+            flag, value = given[0]
+            raise UsageError(
+                f"explain: {flag} applies to --data (one training batch of a dataset), got "
+                f"{flag} {str(value)!r} without --data (the scenarios run on their own "
+                f"devices); add --data digits, or drop {flag}"
+            )
+    else:
         from dataparallel.demo.data import DataError, load_dataset
 
         try:
             data = load_dataset(args.data)
         except DataError as exc:
             raise UsageError(str(exc)) from exc
-        devices = parse_devices(args.devices)
+        devices = parse_devices(args.devices or "auto")
         batch = data.train_x[: args.batch_size or data.batch_size]
         where = ", ".join(str(d) for d in devices)
         print(f"{data.name}: one training batch of {len(batch)} on {where}", file=out)

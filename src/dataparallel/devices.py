@@ -114,6 +114,16 @@ def resolve_devices(
     """
     if specs is None:
         return default_devices()
+    if isinstance(specs, str) and "," in specs:
+        # "cpu,cpu" as typed on a command line: one string, where a list is meant
+        suggested: list[int | str] = [
+            int(part.strip()) if part.strip().isdigit() else part.strip()
+            for part in specs.split(",")
+        ]
+        raise ValueError(
+            f"{where}: expected a list of devices, got the string {specs!r}; "
+            f"pass {where}={suggested!r}"
+        )
     if isinstance(specs, (int, str, torch.device)):
         return [resolve_device(specs, where=where)]
     if isinstance(specs, (set, frozenset, Mapping)):

@@ -7,13 +7,16 @@ data apart from the rules lets each module stay about one thing.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from dataparallel.markers import Shared, Split
 from dataparallel.records import contains_record
-from dataparallel.tree import contains_array, describe
+from dataparallel.tree import container_kind, contains_array, describe, struct_items
 
 # Exact types that hold no tensor or ndarray: per-item checks skip them (a fast path only;
 # subclasses take the full walk).
@@ -34,12 +37,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Entry:
-    """The rule one leaf follows: ``path`` such as ``"args[1]['boxes']"``, ``rule``, ``why``."""
+    """The rule one leaf follows: ``path`` such as ``"args[1]['boxes']"``, ``rule``, ``why``.
+
+    ``what`` describes the leaf as passed; ``to`` says where its tensors go (``"cpu"``,
+    ``"cuda:0/cuda:1"``: one device per chunk, in order) or that nothing moves; ``receives``
+    is what each device gets, after the cast (``"Tensor[2/6/4/4, 8] float16"``: one size per
+    chunk, in the order of ``to``; per-sample leaves name the items of each chunk).
+    """
 
     path: str
     rule: str
     why: str
     what: str = ""
+    to: str = ""
+    receives: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,8 +159,9 @@ class Plan:
         """One ``Entry`` per leaf, formatted on first use (the hot path never reads them)."""
         cached: list[Entry] | None = self.__dict__.get("_entries")
         if cached is None:
+            chunks = [chunk for wave in self.slices for chunk in wave]
             cached = [
-                Entry(path, rule, why, describe_leaf(value))
+                Entry(path, rule, why, describe_leaf(value), *_receives(self, rule, value, chunks))
                 for path, rule, why, value in self.entry_records
             ]
             self.__dict__["_entries"] = cached
@@ -169,8 +181,104 @@ def describe_leaf(obj: Any) -> str:
     return describe(obj)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _joined(parts: list[str]) -> str:
+    """``"5"`` when every chunk has the same value, else one per chunk: ``"2/6/4/4"``."""
+    return parts[0] if len(set(parts)) == 1 else "/".join(parts)
+
+
+def _tensors_in(obj: Any) -> tuple[bool, bool]:
+    """Whether ``obj`` holds a tensor, and a floating-point one, outside ``dp.Shared``."""
+    if isinstance(obj, torch.Tensor):
+        return True, obj.is_floating_point()
+    if isinstance(obj, Shared):
+        return _tensors_in(obj.obj)[0], False
+    if isinstance(obj, Split):
+        return _tensors_in(obj.obj)
+    if type(obj) in _ATOMS or isinstance(obj, (str, bytes, np.ndarray)):
+        return False, False
+    kind = container_kind(obj)
+    if kind is None:
+        return False, False
+    found = floating = False
+    for value in struct_items(obj, kind)[1]:
+        has, has_float = _tensors_in(value)
+        found, floating = found or has, floating or has_float
+        if floating:
+            break
+    return found, floating
+
+
+def _receives(
+    p: Plan, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
+) -> tuple[str, str]:
+    """``(to, receives)`` of one leaf: where its tensors go and what each device gets."""
+    if not chunks:
+        return "", ""
+    devices = _joined([str(device) for device, _, _ in chunks])
+    cast = p.dtype is not None and not isinstance(value, Shared)
+    inner = value.obj if isinstance(value, (Shared, Split)) else value
+    if rule == "split":
+        dim = p.dim
+        if isinstance(value, Split) and value.dim is not None:
+            dim = value.dim
+        shape = [str(n) for n in inner.shape]
+        shape[dim] = _joined([str(length) for _, _, length in chunks])
+        if isinstance(inner, torch.Tensor):
+            dtype = inner.dtype
+            if cast and dtype.is_floating_point and p.dtype is not None:
+                dtype = p.dtype
+            return devices, f"Tensor[{', '.join(shape)}] {_dtype_name(dtype)}"
+        return "not moved (ndarray)", f"ndarray[{', '.join(shape)}] {inner.dtype}"
+    if rule == "per-sample":
+        ranges = _joined(
+            [
+                str(start) if length == 1 else f"{start}-{start + length - 1}"
+                for _, start, length in chunks
+            ]
+        )
+        lengths = _joined([str(length) for _, _, length in chunks])
+        kinds = describe_leaf(inner).partition(" of ")[2]
+        text = f"{type(inner).__name__}[{lengths}] of {kinds}: items {ranges}"
+        has, has_float = _tensors_in(inner)
+        if not has:
+            return "not moved (no tensor)", text
+        if cast and p.dtype is not None and has_float:
+            text += f", float tensors cast to {_dtype_name(p.dtype)}"
+        return devices, text
+    # broadcast: one whole copy per device
+    if isinstance(inner, torch.Tensor):
+        dtype = inner.dtype
+        if cast and dtype.is_floating_point and p.dtype is not None:
+            dtype = p.dtype
+        dims = ", ".join(str(n) for n in inner.shape)
+        text = f"the whole Tensor[{dims}] {_dtype_name(dtype)}"
+        if isinstance(value, Shared) and p.dtype is not None and dtype.is_floating_point:
+            text += " (dp.Shared: not cast)"
+        return devices, text
+    if isinstance(inner, np.ndarray):
+        return "not moved (ndarray)", "the same ndarray"
+    has, has_float = _tensors_in(inner)
+    if has:
+        text = f"the whole {describe_leaf(inner)}, tensors moved"
+        if cast and p.dtype is not None and has_float:
+            text += f", float ones cast to {_dtype_name(p.dtype)}"
+        return devices, text
+    return "not moved (no tensor)", "the same object"
+
+
 def format_plan(p: Plan) -> str:
-    """A readable table of a plan: batch size and votes, devices and chunks, one row per leaf."""
+    """A readable table of a plan: batch size and votes, devices and chunks, one row per leaf,
+    then what each device receives (after the cast, with the devices it moves to)."""
+    if not p.entries:
+        device = p.devices[0] if p.devices else "its device"
+        return (
+            f"nothing to split: the call passes no input (or only empty containers); the "
+            f"module runs once, on {device}, as it would without DataParallel"
+        )
     lines = [f"batch size {p.batch_size}, decided by {p.decided_by}"]
     if p.votes:
         tally: dict[int, list[str]] = {}
@@ -184,14 +292,24 @@ def format_plan(p: Plan) -> str:
         lines.append(f"chunk sizes: {p.waves[0]}")
     else:
         lines.append(f"waves ({len(p.waves)}): {p.waves}")
-    if p.entries:
-        rows = [("path", "what", "rule", "why")] + [
-            (e.path, e.what, e.rule, e.why) for e in p.entries
-        ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        for r in rows:
-            lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
-    else:
-        lines.append("  (no leaves)")
-    lines.extend(f"warning: {w}" for w in p.warnings)
+    rows = [("path", "what", "rule", "why")] + [(e.path, e.what, e.rule, e.why) for e in p.entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+    lines.append("each device receives (sizes and items one per chunk, in device order):")
+    received = [("path", "moved to", "receives")] + [(e.path, e.to, e.receives) for e in p.entries]
+    widths = [max(len(r[i]) for r in received) for i in range(2)]
+    for path, to, receives in received:
+        lines.append(f"  {path:<{widths[0]}}  {to:<{widths[1]}}  {receives}")
+    lines.extend(
+        textwrap.fill(
+            w,
+            width=100,
+            initial_indent="warning: ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for w in p.warnings
+    )
     return "\n".join(lines)

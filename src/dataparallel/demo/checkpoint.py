@@ -26,9 +26,11 @@ from dataparallel.demo.options import EpochStats, TrainOptions, UsageError
 __all__ = [
     "CHECKPOINT_FORMAT",
     "check_resume",
+    "checkpoint_message",
     "checkpoint_state",
     "load_checkpoint",
     "resume",
+    "resume_message",
     "rng_state",
     "run_config",
     "save_checkpoint",
@@ -156,8 +158,12 @@ def resume(
     net: nn.Module,
     optimizer: torch.optim.Optimizer,
     out: TextIO | None,
+    epochs: int | None = None,
 ) -> tuple[int, list[EpochStats]]:
     """Load a checkpoint into ``net`` and ``optimizer``; return the epochs done and history.
+
+    With ``epochs`` (the run's total), the line printed to ``out`` says how far the run is,
+    and, when the checkpoint already holds them all, how to train on.
 
     Raises:
         UsageError: the checkpoint is unreadable, was written with other options, or does not
@@ -178,8 +184,33 @@ def resume(
             f"resume with the options it was written with, or start without --resume"
         ) from exc
     if out is not None:
-        print(f"resumed from {path} after epoch {epoch}", file=out)
+        print(resume_message(path, epoch, epochs), file=out)
     return epoch, history
+
+
+def resume_message(path: str, done: int, epochs: int | None) -> str:
+    """What ``--resume`` says: the epochs the checkpoint holds against the run's total.
+
+    A checkpoint that already holds every epoch asked for trains nothing; the message says so
+    and how to go on (``--epochs M`` with ``M`` above the epochs it holds).
+    """
+    if epochs is None or done < epochs:
+        total = "" if epochs is None else f" of {epochs}"
+        return f"resumed from {path} after epoch {done}{total}"
+    held = f"{done} of {epochs} epochs" if done == epochs else f"{done} epochs ({epochs} asked for)"
+    return (
+        f"resumed from {path}: the checkpoint already holds {held}, so no epoch is left to "
+        f"train; to train on, pass --epochs M with M > {done}, e.g. --epochs {done + 10} "
+        f"--checkpoint {path} --resume"
+    )
+
+
+def checkpoint_message(path: str, epoch: int) -> str:
+    """Where ``--checkpoint`` wrote, said once per run (the file is rewritten every epoch)."""
+    return (
+        f"checkpoint written to {path} after epoch {epoch}; it is rewritten after every epoch "
+        f"(continue with --checkpoint {path} --resume)"
+    )
 
 
 def checkpoint_state(

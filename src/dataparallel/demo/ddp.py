@@ -17,7 +17,13 @@ from typing import TextIO
 import torch
 from torch import nn
 
-from dataparallel.demo.checkpoint import checkpoint_state, resume, run_config, save_checkpoint
+from dataparallel.demo.checkpoint import (
+    checkpoint_message,
+    checkpoint_state,
+    resume,
+    run_config,
+    save_checkpoint,
+)
 from dataparallel.demo.data import DemoData
 from dataparallel.demo.models import build_model
 from dataparallel.demo.options import (
@@ -84,7 +90,7 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         start_epoch = 0
         if opts.resume and opts.checkpoint:
             start_epoch, history = resume(
-                opts.checkpoint, config, net, optimizer, out if main else None
+                opts.checkpoint, config, net, optimizer, out if main else None, epochs
             )
         sampler = ShardedSampler(data.train, shuffle=True, seed=opts.seed)
         loader = DataLoader(data.train, batch_size=sizes[info.rank], sampler=sampler)
@@ -137,6 +143,8 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
                         checkpoint_state(epoch + 1, net, optimizer, history, config),
                     )
                 print_epoch(stats, epochs, out)
+                if opts.checkpoint and epoch == start_epoch:  # where it wrote, once
+                    print(checkpoint_message(opts.checkpoint, epoch + 1), file=out, flush=True)
         loads = gather_all(last)
         accuracy, classes = _ddp_evaluate(ddp.module, data, batch_size, opts.trace, device)
         devices = [str(d) for d in gather_all([str(device)])]

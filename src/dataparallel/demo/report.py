@@ -69,14 +69,20 @@ def format_report(result: TrainResult) -> str:
     correct = sum(c for _, c, _ in result.per_class)
     total = sum(t for _, _, t in result.per_class)
     width = max([len("class"), *(len(name) for name, _, _ in result.per_class)])
+    done = len(result.history)  # the epochs the model has had, resumed ones included
     lines = [
-        f"test accuracy {result.test_accuracy:.4f} ({correct}/{total}) after {result.epochs} "
-        f"epochs, {result.strategy} on {', '.join(result.devices)}, batch {result.batch_size}",
+        f"test accuracy {result.test_accuracy:.4f} ({correct}/{total}) after {done} "
+        f"epoch{'' if done == 1 else 's'}, {result.strategy} on {', '.join(result.devices)}, "
+        f"batch {result.batch_size}",
         f"{'class':<{width}}  accuracy  correct  total",
     ]
     for name, c, t in result.per_class:
         acc = f"{c / t:.4f}" if t else "-"
         lines.append(f"{name:<{width}}  {acc:>8}  {c:>7}  {t:>5}")
+    if not result.samples_per_second:  # no epoch ran in this run (a finished run resumed)
+        why = f"the checkpoint already held {done} epochs" if done else "--epochs 0"
+        lines.append(f"training: none in this run ({why}); wall time {result.wall_seconds:.1f} s")
+        return "\n".join(lines)
     lines.append(
         f"training: {result.samples_per_second:.0f} samples/s; wall time "
         f"{result.wall_seconds:.1f} s"

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dataparallel.demo.checkpoint import (
+    checkpoint_message,
     checkpoint_state,
     load_checkpoint,
     resume,
@@ -158,7 +159,7 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
     history: list[EpochStats] = []
     start_epoch = 0
     if opts.resume and opts.checkpoint:
-        start_epoch, history = resume(opts.checkpoint, config, net, optimizer, out)
+        start_epoch, history = resume(opts.checkpoint, config, net, optimizer, out, epochs)
 
     def predict(x: torch.Tensor) -> torch.Tensor:
         return model(x).argmax(dim=1).cpu()
@@ -202,6 +203,8 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
                 opts.checkpoint, checkpoint_state(epoch + 1, net, optimizer, history, config)
             )
         print_epoch(stats, epochs, out)
+        if opts.checkpoint and epoch == start_epoch:  # where it wrote, once (rewritten each epoch)
+            print(checkpoint_message(opts.checkpoint, epoch + 1), file=out, flush=True)
     accuracy, classes = _evaluate(net, predict, data, batch_size, opts.trace)
     return TrainResult(
         data=data.spec,

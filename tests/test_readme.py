@@ -1,0 +1,138 @@
+"""Every command the README gives runs as written, and its sample output is the real one.
+
+The commands are read from the README itself: each line of a ```bash block (with its ``\\``
+continuations, without its trailing ``# comment``), each ``$ command`` of a plain block (whose
+following lines are the output it prints), and each inline ``make ...`` or ``.venv/bin/...``
+span. They run with bash, in README order, in a scratch folder that holds what a fresh clone
+after ``make setup`` holds (``.venv``, the Makefile, pyproject.toml, constraints.txt,
+benchmarks/), so files they write (run.pt, run.png) land there. ``cifar-10-batches-py`` is a
+small stand-in in the official format: nothing is downloaded.
+
+The commands not run are listed in ``NOT_RUN`` with the reason; the Python snippets of the
+README are illustrations (they use the reader's ``net`` and ``images``), not commands.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataparallel.demo.data import write_cifar_like
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+VENV = ROOT / ".venv"
+
+MULTI_NODE = (
+    ".venv/bin/torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
+    "HOST0:29400 --rdzv-id myjob -m dataparallel train --strategy ddp"
+)
+NOT_RUN = {
+    "make test": "runs this very suite (with ruff and mypy): it is what runs this file",
+    "make bench": "the full benchmark set, 1.5 minutes of timed runs; its quick set, "
+    "`.venv/bin/dataparallel bench`, is run",
+    MULTI_NODE: "two machines: needs HOST0 and a second node running the same command",
+}
+GPU_ONLY = {
+    # Without CUDA these say so and exit 0, which is what runs here; with CUDA they are the
+    # timed GPU set, run by hand on the GPU machine.
+    "make bench-gpu": "the timed GPU benchmark set",
+    ".venv/bin/python benchmarks/bench_gpu.py": "the timed GPU benchmark set",
+}
+
+
+def _strip_comment(line: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", line).strip()
+
+
+def readme_commands(text: str) -> list[tuple[str, str | None]]:
+    """``(command, expected output or None)`` for every command of the README, in order."""
+    found: list[tuple[int, str, str | None]] = []
+    for block in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S):
+        lang, body = block.group(1), block.group(2)
+        if lang == "bash":
+            joined = re.sub(r"\\\n\s*", "", body)
+            for line in joined.splitlines():
+                command = _strip_comment(line)
+                if command:
+                    found.append((block.start(), command, None))
+        elif lang == "" and body.startswith("$ "):
+            first, _, output = body.partition("\n")
+            found.append((block.start(), _strip_comment(first[2:]), output))
+    for span in re.finditer(r"`((?:make |\.venv/bin/)[^`]+)`", text):
+        found.append((span.start(), span.group(1), None))
+    seen: set[str] = set()
+    ordered = []
+    for _, command, output in sorted(found, key=lambda item: item[0]):
+        if command not in seen:
+            seen.add(command)
+            ordered.append((command, output))
+    return ordered
+
+
+@pytest.fixture(scope="module")
+def commands() -> list[tuple[str, str | None]]:
+    return readme_commands(README.read_text(encoding="utf-8"))
+
+
+def test_the_readme_gives_the_commands_as_the_setup_makes_them_work(
+    commands: list[tuple[str, str | None]],
+) -> None:
+    names = [c for c, _ in commands]
+    assert "make train" in names and "make test" in names
+    for command in names:
+        # no bare `python`, `dataparallel` or `torchrun`: only .venv has them after make setup
+        assert command.split()[0] in ("make", ".venv/bin/python", ".venv/bin/dataparallel") or (
+            command.startswith(".venv/bin/torchrun ")
+        ), command
+    for command in [*NOT_RUN, *GPU_ONLY]:
+        assert command in names, f"NOT_RUN/GPU_ONLY lists a command the README lacks: {command}"
+
+
+@pytest.mark.skipif(not (VENV / "bin" / "dataparallel").exists(), reason="needs make setup")
+def test_every_readme_command_runs_as_written(
+    commands: list[tuple[str, str | None]], tmp_path: Path
+) -> None:
+    for name in (".venv", "Makefile", "pyproject.toml", "constraints.txt", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    write_cifar_like(tmp_path / "cifar-10-batches-py", 200, 50)
+    results = ROOT / "benchmarks" / "results"
+    before = set(results.iterdir())
+    skip = dict(NOT_RUN)
+    if torch.cuda.is_available():
+        skip.update(GPU_ONLY)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    failures = []
+    ran = []
+    try:
+        for command, expected in commands:
+            if command in skip:
+                continue
+            done = subprocess.run(
+                ["bash", "-c", command],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            ran.append(command)
+            if done.returncode != 0:
+                failures.append(f"{command}: exit {done.returncode}\n{done.stderr[-2000:]}")
+            elif expected is not None and done.stdout != expected:
+                failures.append(f"{command}: the README shows other output:\n{done.stdout}")
+            elif "--resume" in command and "resumed from run.pt after epoch 2 of 4" not in (
+                done.stdout
+            ):
+                failures.append(f"{command}: did not continue the run:\n{done.stdout}")
+    finally:
+        for path in set(results.iterdir()) - before:  # `dataparallel bench` writes its JSON here
+            path.unlink()
+    assert not failures, "\n\n".join(failures)
+    assert "make train" in ran and len(ran) == len(commands) - len(skip)
+    assert (tmp_path / "run.png").is_file() and (tmp_path / "run.json").is_file()
