@@ -36,6 +36,10 @@ NOT_RUN = {
     "make test": "runs this very suite (with ruff and mypy): it is what runs this file",
     "make bench": "the full benchmark set, 1.5 minutes of timed runs; its quick set, "
     "`.venv/bin/dataparallel bench`, is run",
+    "make readme-figures": "retrains and rewrites README.md and benchmarks/results/ in place; "
+    "tests/test_readme_figures.py checks its output against the README and a fresh run",
+    "make check-bare": "builds a second environment from the wheel; tests/test_bare_install.py "
+    "runs the same script (scripts/bare_install.py)",
     MULTI_NODE: "two machines: needs HOST0 and a second node running the same command",
 }
 GPU_ONLY = {

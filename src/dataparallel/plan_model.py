@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from dataparallel.markers import Shared, Split
 from dataparallel.records import contains_record
@@ -225,6 +226,12 @@ def _receives(
         dim = p.dim
         if isinstance(value, Split) and value.dim is not None:
             dim = value.dim
+        if isinstance(inner, PackedSequence):  # split by sequence, re-packed on each device
+            dtype = inner.data.dtype
+            if cast and dtype.is_floating_point and p.dtype is not None:
+                dtype = p.dtype
+            counts = _joined([str(length) for _, _, length in chunks])
+            return devices, f"PackedSequence of {counts} sequences, {_dtype_name(dtype)}"
         shape = [str(n) for n in inner.shape]
         shape[dim] = _joined([str(length) for _, _, length in chunks])
         if isinstance(inner, torch.Tensor):

@@ -53,6 +53,8 @@ def test_lstm_on_packed_sequence(devices: list[str], batch: int) -> None:
     plan = dp.plan((packed,), None, devices)
     assert plan.batch_size == batch and plan.entries[0].rule == "split"
     assert "split by sequence" in plan.entries[0].why
+    chunks = "/".join(str(n) for n in plan.chunk_sizes)
+    assert f"PackedSequence of {chunks} sequences, float32" in str(plan)  # what explain prints
 
 
 def test_packed_chunks_are_whole_sequences_and_gradients_reach_the_input() -> None:
