@@ -22,7 +22,7 @@ import textwrap
 import threading
 import types
 import warnings
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from _odd_containers import Batch, Named, Ordered, PairT
 from dataparallel.gather import gather
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.replicate import replicate
@@ -47,35 +48,6 @@ def x10() -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- helper types
-
-
-class Named(list):  # type: ignore[type-arg]
-    """A list whose constructor does not take its items first."""
-
-    def __init__(self, name: str, items: Any = ()) -> None:
-        super().__init__(items)
-        self.name = name
-
-
-class Batch(dict):  # type: ignore[type-arg]
-    """A dict whose constructor takes metadata first and the items as keywords."""
-
-    def __init__(self, meta: Any = None, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.meta = meta
-
-
-class Ordered(OrderedDict):  # type: ignore[type-arg]
-    def __init__(self, tag: str, *args: Any) -> None:
-        super().__init__(*args)
-        self.tag = tag
-
-
-class PairT(tuple):  # type: ignore[type-arg]
-    """A tuple subclass with its own ``__new__``."""
-
-    def __new__(cls, a: Any, b: Any) -> PairT:
-        return super().__new__(cls, (a, b))
 
 
 class Slotted(list):  # type: ignore[type-arg]

@@ -10,7 +10,6 @@ attributes; every chunk a replica sees must be of the input's types too.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import pytest
@@ -20,34 +19,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import dataparallel as dp
+from _odd_containers import Batch, Named, Ordered, PairT
 from dataparallel.gather import gather
 from dataparallel.plan import plan
 from dataparallel.scatter import take
 
 MAX_BATCH = 24
-
-
-class Named(list):  # type: ignore[type-arg]
-    def __init__(self, name: str, items: Any = ()) -> None:
-        super().__init__(items)
-        self.name = name
-
-
-class Batch(dict):  # type: ignore[type-arg]
-    def __init__(self, meta: Any = None, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.meta = meta
-
-
-class Ordered(OrderedDict):  # type: ignore[type-arg]
-    def __init__(self, tag: str, *args: Any) -> None:
-        super().__init__(*args)
-        self.tag = tag
-
-
-class PairT(tuple):  # type: ignore[type-arg]
-    def __new__(cls, a: Any, b: Any) -> PairT:
-        return super().__new__(cls, (a, b))
 
 
 class Point(NamedTuple):
