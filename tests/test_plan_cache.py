@@ -160,3 +160,48 @@ def test_a_reused_plan_equals_a_fresh_one() -> None:
 )
 def test_only_plain_tensor_calls_are_cached(inputs: tuple) -> None:
     assert signature(inputs, {}) is None
+
+
+class Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.5)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x)) * self.scale
+
+
+def test_module_changes_between_calls_of_one_signature_are_seen() -> None:
+    # The plan is reused on every call below (same shapes); the module's state is not part of
+    # it, so each change must show in the very next call, as on one device.
+    torch.manual_seed(0)
+    module = Stateful().eval()
+    model = dp.DataParallel(module, CPU3)
+    x = torch.randn(6, 4)
+
+    def check() -> None:
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), module(x), atol=1e-5, rtol=0)
+
+    check()
+    module.scale = 3.0  # a plain attribute
+    check()
+    with torch.no_grad():
+        module.lin.weight.mul_(2)  # an in-place parameter change
+    check()
+    module.lin.weight.data = module.lin.weight.data + 1  # through .data
+    check()
+    handle = module.lin.register_forward_hook(lambda m, i, o: o + 1)  # a new hook
+    check()
+    handle.remove()
+    module.lin = nn.Linear(4, 3)  # a replaced submodule
+    check()
+    module.double()  # .to(): a new dtype, which is also a new signature for the inputs
+    x = x.double()
+    check()
+    module.train()  # dropout on: outputs differ per chunk, but the flag must reach replicas
+    with torch.no_grad():
+        out = model(x)
+    assert (out == 0).any()  # dropout zeroed something: the replicas are in training mode
