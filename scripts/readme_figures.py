@@ -55,6 +55,15 @@ CASE_TEXT = {
         "fresh replicas",
     ),
     "replicate_2x_training": ("the same, training", "fresh replicas"),
+    "replicate_2x_training_copy": (
+        'the same, training on `["cpu", "cpu:1"]` (differentiable parameter copies)',
+        "fresh replicas",
+    ),
+    "replicate_4x_training_copy": ("the same on 4 devices `cpu`, `cpu:1`..", "fresh replicas"),
+    "replicate_2x_miss": (
+        "`replicate` after `clear_replica_cache` (a cache miss), 2 replicas",
+        "fresh replicas",
+    ),
     "replicate_4x_inference": ("cached `replicate`, 4 replicas, inference", "fresh replicas"),
     "replicate_4x_training": ("the same, training", "fresh replicas"),
     "ddp_path": (
@@ -179,6 +188,32 @@ def _target(target: dict[str, Any] | None) -> str:
     return f"{target['op']} {target['value']}"
 
 
+_MODELS = {"mlp": "tiny MLP, batch 64", "cnn": "tutorial CNN, batch 32"}
+
+
+def _case_text(case: dict[str, Any]) -> tuple[str, str]:
+    """The README's words for a case: fixed ones, or built for the end-to-end cases."""
+    name = case["name"]
+    if name in CASE_TEXT:
+        return CASE_TEXT[name]
+    extra = case.get("extra", {})
+    if name.startswith("e2e_") and "replicas" in extra:
+        n = extra["replicas"]
+        return (
+            f"`DataParallel`, {n} CPU replica{'s' * (n > 1)}, {_MODELS[extra['model']]}, "
+            f"{extra['mode']} (x{extra['ratio_to_plain']:.2f} the plain module, "
+            f"+{extra['overhead_us']:.0f} µs)",
+            "hand-written floor",
+        )
+    if name.startswith("e2e_") and name.endswith("_overhead_us"):
+        mode = name.split("_")[2]
+        return (f"µs of ours beyond the floor per call, tiny MLP, 2 replicas, {mode}", "floor")
+    if name.startswith("e2e_") and name.endswith("_per_replica_us"):
+        mode = name.split("_")[2]
+        return (f"µs more per further replica (2 to 8), tiny MLP, {mode}", "floor")
+    return case["title"], case["baseline"]
+
+
 def _bench_table(bench: dict[str, Any]) -> str:
     rows = [
         "| case | measured | baseline | ratio | target | |",
@@ -187,7 +222,7 @@ def _bench_table(bench: dict[str, Any]) -> str:
     for case in bench["cases"]:
         if case["status"] != "ok":
             continue
-        what, base = CASE_TEXT.get(case["name"], (case["title"], case["baseline"]))
+        what, base = _case_text(case)
         measured = case["stats"][case["measured"]]["median_s"]
         baseline = case["stats"][case["baseline"]]["median_s"]
         verdict = {True: "met", False: "**missed**", None: ""}[case["met"]]

@@ -13,8 +13,10 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from benchmarks.__main__ import main
-from benchmarks.cases import QUICK, _by_hand, _ours, heterogeneous_batch
+from benchmarks.cases import FULL, QUICK, _by_hand, _ours, heterogeneous_batch
+from benchmarks.e2e import Floor, case_e2e, tiny_mlp
 from benchmarks.harness import SCHEMA, Case, Settings, Stats, compare, paired_ratio
 
 QUICK_NAMES = {
@@ -25,6 +27,9 @@ QUICK_NAMES = {
     "replicate_2x_training",
     "replicate_4x_inference",
     "replicate_4x_training",
+    "replicate_2x_training_copy",
+    "replicate_4x_training_copy",
+    "replicate_2x_miss",
 }
 
 
@@ -142,3 +147,58 @@ def test_bad_arguments_exit_with_usage_error(tmp_path: Path) -> None:
         main(["--quick", "--repeats", "0", "--out", str(tmp_path / "x.json")])
     assert info.value.code == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_full_set_times_dataparallel_end_to_end() -> None:
+    assert case_e2e in FULL and case_e2e not in QUICK
+
+
+def test_floor_equals_the_plain_module_and_trains_it_alike() -> None:
+    # The floor is a fair baseline only if it computes what the module does, gradients too.
+    torch.manual_seed(0)
+    module = tiny_mlp()
+    x = torch.randn(13, 32)  # uneven chunks on 4 replicas
+    floor = Floor(module, 4)
+    try:
+        out = floor(x)
+        torch.testing.assert_close(out, module(x), atol=1e-5, rtol=0)
+        out.sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+        module(x).sum().backward()
+        for g, p in zip(grads, module.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=0)
+        with torch.no_grad():
+            assert not floor(x).requires_grad  # the caller's grad mode reaches the threads
+    finally:
+        floor.close()
+    assert not any(t.is_alive() for t in floor.threads)
+
+
+def test_e2e_cases_report_ratios_overheads_and_verdicts() -> None:
+    cases = case_e2e(Settings(repeats=3, min_block_s=0.002, warmup=1), replicas=(1, 2, 4))
+    names = [c.name for c in cases]
+    for model in ("mlp", "cnn"):
+        for mode in ("inference", "training"):
+            for n in (1, 2, 4):
+                assert f"e2e_{model}_{mode}_{n}x" in names
+    for mode in ("inference", "training"):
+        assert f"e2e_mlp_{mode}_overhead_us" in names
+        assert f"e2e_mlp_{mode}_per_replica_us" in names
+    for case in cases:
+        stats = case.stats
+        assert set(stats) == {"DataParallel", "floor", "plain"}
+        if case.name.endswith("x"):
+            ratio, _ = paired_ratio(stats["DataParallel"], stats["floor"])
+            assert case.ratio == pytest.approx(ratio)
+            to_plain, _ = paired_ratio(stats["DataParallel"], stats["plain"])
+            assert case.extra["ratio_to_plain"] == pytest.approx(to_plain)
+            diffs = [
+                m - b
+                for m, b in zip(stats["DataParallel"].samples, stats["floor"].samples, strict=True)
+            ]
+            assert case.extra["overhead_us"] == pytest.approx(statistics.median(diffs) * 1e6)
+        else:
+            assert case.met is not None  # µs cases carry a target, so a verdict
+    mlp_two = next(c for c in cases if c.name == "e2e_mlp_inference_2x")
+    assert mlp_two.target == 1.3 and mlp_two.met is not None

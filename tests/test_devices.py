@@ -52,3 +52,14 @@ def test_cuda_without_cuda_says_so() -> None:
 def test_target_device_minus_one_is_cpu() -> None:
     assert target_device(-1) == torch.device("cpu")
     assert target_device("cpu") == torch.device("cpu")
+
+
+def test_a_resolved_list_passes_again_and_a_bad_device_still_fails() -> None:
+    # resolve_devices skips the checks for devices it returned before: only for those.
+    cpu = resolve_devices(["cpu", "cpu"])
+    assert resolve_devices(cpu) == cpu and resolve_devices(cpu) is not cpu
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            resolve_devices([cpu[0], torch.device("cuda", 0)])
+    with pytest.raises(ValueError, match="at least one device"):
+        resolve_devices([])

@@ -60,12 +60,46 @@ def test_outputs_equal_sequential_application() -> None:
 def test_runs_on_named_pool_threads_reused_across_calls() -> None:
     modules = [Recorder() for _ in range(3)]
     first = parallel_apply(modules, [torch.randn(2, 4)] * 3, devices=CPU3)
-    assert [o["thread"] for o in first] == [f"{THREAD_PREFIX}cpu-{i}" for i in range(3)]
+    # Replica 0 runs on the caller's thread; the others on their slot's worker.
+    caller = threading.current_thread().name
+    assert [o["thread"] for o in first] == [
+        caller,
+        f"{THREAD_PREFIX}cpu-1",
+        f"{THREAD_PREFIX}cpu-2",
+    ]
     threads = _pool_threads()
     assert all(t.daemon for t in threads)
     for _ in range(3):
         parallel_apply(modules[:2], [torch.randn(2, 4)] * 2, devices=["cpu", "cpu"])
     assert _pool_threads() == threads
+
+
+def test_replica_zero_on_the_caller_sees_the_same_context_as_the_workers() -> None:
+    # Replica 0 runs inline: grad mode and autocast are replayed there as on a worker, and an
+    # error in it still waits for the other replicas and names replica 0.
+    modules = [Recorder() for _ in range(3)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = parallel_apply(modules, [torch.randn(2, 4)] * 3, devices=CPU3)
+    assert [o["grad"] for o in outs] == [False] * 3
+    assert [o["autocast"] for o in outs] == [True] * 3
+    assert {o["autocast_dtype"] for o in outs} == {torch.bfloat16}
+    finished: list[int] = []
+
+    class Slow(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.i == 0:
+                raise KeyError("boom")
+            time.sleep(0.05)
+            finished.append(self.i)
+            return x
+
+    with pytest.raises(KeyError, match="replica 0 on cpu"):
+        parallel_apply([Slow(i) for i in range(3)], [torch.ones(1)] * 3, devices=CPU3)
+    assert sorted(finished) == [1, 2]  # the others ran to the end before the error came back
 
 
 def test_single_module_runs_inline() -> None:

@@ -114,6 +114,14 @@ def resolve_devices(
     """
     if specs is None:
         return default_devices()
+    if (
+        type(specs) is list
+        and specs
+        and all(type(s) is torch.device and s in _RESOLVED for s in specs)
+    ):
+        # Devices this function returned before resolve to themselves: the pipeline passes
+        # its resolved list on to replicate and parallel_apply on every call.
+        return list(specs)
     if isinstance(specs, str) and "," in specs:
         # "cpu,cpu" as typed on a command line: one string, where a list is meant
         suggested: list[int | str] = [
@@ -138,7 +146,14 @@ def resolve_devices(
             f"{where}: expected at least one device, got an empty list; pass e.g. ['cpu'] or "
             f"[0, 1], or None for every visible device"
         )
-    return [resolve_device(spec, where=f"{where}[{i}]") for i, spec in enumerate(items)]
+    resolved = [resolve_device(spec, where=f"{where}[{i}]") for i, spec in enumerate(items)]
+    _RESOLVED.update(resolved)
+    return resolved
+
+
+# Devices resolve_devices has returned: resolving one again gives it back unchanged (a CUDA
+# device carries its checked index), so a list of them needs no second check.
+_RESOLVED: set[torch.device] = set()
 
 
 # torch.device objects already checked by target_device: a gather runs on every forward call,

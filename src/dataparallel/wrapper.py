@@ -27,6 +27,7 @@ from dataparallel.gather import ScalarMode, first_batch_size, gather
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
 from dataparallel.parallel_apply import CudaSpan, parallel_apply
 from dataparallel.plan import Plan, build_plan, vote_batch_size
+from dataparallel.plan_cache import PlanCache
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
 from dataparallel.tree import TooDeep, map_tensors
@@ -260,7 +261,11 @@ class DataParallel(nn.Module):
         )
 
     def _forward_planned(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        plans: PlanCache | None = self.__dict__.get("_plans")
+        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
+            plans = self.__dict__["_plans"] = PlanCache()
+        # The last plan, reused while the arguments' signature, devices and options hold.
+        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options)
         if plan.warnings:
             self._warn_once(plan)
         outputs: list[Any] = []

@@ -1,0 +1,154 @@
+"""A wrapper's last plan, reused while the call's signature holds.
+
+Most training loops call a model with the same structure of arguments, of the same shapes, on
+every step. For such calls the plan (which input is split, which broadcast, the chunk sizes,
+the warnings) is a function of the signature alone: the type, shape, dtype, device and layout
+of every argument, the keyword names, the devices, ``dim`` and the options. ``PlanCache.get``
+builds a plan on a miss, keeps a template of it without the tensors (so no batch is kept
+alive between calls), and on a hit makes a plan for the new tensors from the template.
+
+Only calls whose arguments are all plain dense tensors (exactly ``torch.Tensor``, at the top
+of the argument tuple or the keyword dict) are cached: for them the signature is a few
+attribute reads. Anything else (containers, lists, markers, ndarrays, subclasses) takes
+``build_plan`` every time, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dataparallel.plan import build_plan
+from dataparallel.plan_model import BroadcastNode, Node, Plan, SplitNode, StructNode
+
+__all__ = ["PlanCache", "signature"]
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_FROZEN = (type(None), bool, int, float, str, torch.dtype)
+
+
+def signature(inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What the plan of a call of plain dense tensors depends on, or ``None`` for other calls.
+
+    >>> signature((torch.zeros(4, 2),), {})
+    ((torch.Size([4, 2]), torch.float32, device(type='cpu')),)
+    >>> signature(([torch.zeros(4, 2)],), {}) is None
+    True
+    """
+    sig: list[Any] = []
+    for a in inputs:
+        if type(a) is not _Tensor or a.layout is not _STRIDED or a.is_nested:
+            return None
+        sig.append((a.shape, a.dtype, a.device))
+    for k, a in kwargs.items():
+        if type(a) is not _Tensor or a.layout is not _STRIDED or a.is_nested:
+            return None
+        sig.append((k, a.shape, a.dtype, a.device))
+    return tuple(sig)
+
+
+def _freeze(options: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The options as a comparable tuple, or ``None`` when a value cannot be compared cheaply
+    and safely (an ndarray or a tensor of chunk sizes: such calls are not cached)."""
+    out: list[Any] = []
+    for k, v in options.items():
+        if type(v) in _FROZEN:
+            out.append((k, v))
+        elif type(v) in (list, tuple) and all(type(x) in (int, float) for x in v):
+            out.append((k, tuple(v)))
+        else:
+            return None
+    return tuple(out)
+
+
+def _leaf(node: Node) -> tuple[Any, ...]:
+    """A compiled leaf without its tensor: what a new tensor of the same signature needs."""
+    if type(node) is SplitNode:
+        return (True, node.dim, node.cast, None)
+    if type(node) is BroadcastNode:
+        return (False, node.moves, node.cast, node.path)
+    raise TypeError(f"not a leaf of a cached plan: {node!r}")  # pragma: no cover - invariant
+
+
+def _node(leaf: tuple[Any, ...], obj: _Tensor) -> Node:
+    split, a, cast, path = leaf
+    if split:
+        return SplitNode(obj, a, cast)
+    node = BroadcastNode.__new__(BroadcastNode)
+    node.obj, node.moves, node.cast, node.path = obj, a, cast, path
+    return node
+
+
+class PlanCache:
+    """One wrapper's last plan template and the key it was built for.
+
+    Safe under concurrent calls: the entry is one tuple, replaced whole, and a hit builds a
+    new ``Plan`` (nothing cached is mutated).
+    """
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple[Any, ...] | None = None
+
+    def get(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        devices: list[torch.device],
+        dim: int,
+        options: Mapping[str, Any],
+    ) -> Plan:
+        """The plan ``build_plan(inputs, kwargs, devices, dim, **options)`` would make."""
+        sig = signature(inputs, kwargs)
+        frozen = None if sig is None else _freeze(options)
+        entry = self.entry
+        if (
+            frozen is not None
+            and entry is not None
+            and entry[0] == sig
+            and entry[1] == dim
+            and entry[2] == frozen
+            and entry[3] == devices
+        ):
+            return _instantiate(entry[4], entry[5], entry[6], inputs, kwargs)
+        plan = build_plan(inputs, kwargs, devices, dim, **options)
+        if frozen is not None and isinstance(plan.root_args, StructNode):
+            arg_leaves = [_leaf(c) for c in plan.root_args.children]
+            kw_leaves = [_leaf(c) for c in plan.root_kwargs.children]  # type: ignore[union-attr]
+            template = Plan.__new__(Plan)
+            template.__dict__.update(plan.__dict__)
+            # Nothing that holds the call's tensors: the template outlives the call.
+            template.root_args = template.root_kwargs = None
+            template.entry_records = []
+            template.__dict__.pop("_entries", None)
+            self.entry = (sig, dim, frozen, list(devices), template, arg_leaves, kw_leaves)
+        return plan
+
+
+def _instantiate(
+    template: Plan,
+    arg_leaves: list[tuple[Any, ...]],
+    kw_leaves: list[tuple[Any, ...]],
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Plan:
+    plan = Plan.__new__(Plan)
+    plan.__dict__.update(template.__dict__)
+    plan.root_args = StructNode(
+        "tuple",
+        inputs,
+        list(range(len(inputs))),
+        [_node(leaf, a) for leaf, a in zip(arg_leaves, inputs, strict=True)],
+    )
+    keys = list(kwargs)
+    plan.root_kwargs = StructNode(
+        "mapping",
+        dict(kwargs),
+        keys,
+        [_node(leaf, kwargs[k]) for leaf, k in zip(kw_leaves, keys, strict=True)],
+    )
+    return plan
