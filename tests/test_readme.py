@@ -34,7 +34,7 @@ MULTI_NODE = (
 )
 NOT_RUN = {
     "make test": "runs this very suite (with ruff and mypy): it is what runs this file",
-    "make bench": "the full benchmark set, 1.5 minutes of timed runs; its quick set, "
+    "make bench": "the full benchmark set, about 2.5 minutes of timed runs; its quick set, "
     "`.venv/bin/dataparallel bench`, is run",
     "make readme-figures": "retrains and rewrites README.md and benchmarks/results/ in place; "
     "tests/test_readme_figures.py checks its output against the README and a fresh run",
