@@ -1,0 +1,253 @@
+"""The replica cache's change count: every way a module changes between calls is seen.
+
+A cached replica set is refreshed cheaply (tensors only) while ``mutations.epoch()`` holds
+still, so each test below first makes the cache reach that fast path, then changes the module
+one way and checks that the next ``replicate`` mirrors it. Oracle: every replica's output equals
+the module's own on the same input, and every replica's training flags are the module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from dataparallel import mutations
+from dataparallel.replicate import clear_replica_cache, replicate
+
+# "cpu:1" makes replica 1 a copy on another device (parameters copied), so both the shared
+# and the copied paths are checked.
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"]]
+
+
+class Flex(nn.Module):
+    """A module with a place for every kind of change the tests make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.seq = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        self.mlist = nn.ModuleList([nn.Linear(3, 3)])
+        self.mdict = nn.ModuleDict({"a": nn.Linear(3, 3)})
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.seq(self.bn(self.fc1(x)))
+        for layer in self.mlist:
+            h = layer(h)
+        for layer in self.mdict.values():
+            h = layer(h)
+        h = h * getattr(self, "scale", 1.0)
+        for name in ("offset", "gain"):  # a buffer and a parameter some tests register
+            extra = getattr(self, name, None)
+            if extra is not None:
+                h = h + extra if name == "offset" else h * extra
+        if "extra" in self._modules:
+            h = self.extra(h)
+        return h
+
+
+class Double(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 2
+
+
+def _flex() -> Flex:
+    torch.manual_seed(0)
+    model = Flex().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+    # Modules the changes add, made now: building a module counts changes of its own, which
+    # would hide a change path that counts nothing. Kept past __setattr__, as replicas' state.
+    model.__dict__["_spares"] = {"3": nn.Linear(3, 3).eval(), "4": nn.Linear(4, 3).eval()}
+    return model
+
+
+def _spare(model: Flex, key: str = "3") -> nn.Module:
+    return model.__dict__["_spares"][key]
+
+
+def _hook(model: Flex) -> Any:
+    return model.fc1.register_forward_hook(lambda m, i, o: o * 2)
+
+
+def _remove_hook(model: Flex) -> None:
+    model.__dict__["_test_handle"].remove()
+
+
+def _setup_remove_hook(model: Flex) -> None:
+    model.__dict__["_test_handle"] = model.seq[0].register_forward_pre_hook(
+        lambda m, args: (args[0] + 1,)
+    )
+
+
+CHANGES: dict[str, Callable[[Flex], Any]] = {
+    "plain attribute": lambda m: setattr(m, "scale", 3.0),
+    "attribute deleted": lambda m: delattr(m, "scale"),
+    "submodule to train": lambda m: m.seq.train(),
+    "whole module to train": lambda m: m.train(),
+    "forward hook added": _hook,
+    "forward pre-hook added": lambda m: m.mlist[0].register_forward_pre_hook(
+        lambda mod, args: (args[0] * -1,)
+    ),
+    "hook removed": _remove_hook,
+    "to float64": lambda m: m.double(),
+    "submodule replaced": lambda m: setattr(m, "fc1", _spare(m, "4")),
+    "parameter replaced": lambda m: setattr(m.fc1, "bias", nn.Parameter(torch.ones(3))),
+    "buffer reassigned": lambda m: setattr(m.bn, "running_mean", torch.full((3,), 2.0)),
+    "register_buffer": lambda m: m.register_buffer("offset", torch.ones(3)),
+    "register_parameter": lambda m: m.register_parameter("gain", nn.Parameter(torch.ones(3) * 3)),
+    "add_module": lambda m: m.add_module("extra", _spare(m)),
+    "Sequential.insert": lambda m: m.seq.insert(0, _spare(m)),
+    "Sequential.append": lambda m: m.seq.append(_spare(m)),
+    "ModuleList.insert": lambda m: m.mlist.insert(0, _spare(m)),
+    "ModuleList.append": lambda m: m.mlist.append(_spare(m)),
+    "ModuleDict del": lambda m: m.mdict.__delitem__("a"),
+    "ModuleDict clear": lambda m: m.mdict.clear(),
+    "ModuleDict pop": lambda m: m.mdict.pop("a"),
+    "ModuleDict set": lambda m: m.mdict.__setitem__("b", _spare(m)),
+    "parametrization": lambda m: parametrize.register_parametrization(m.fc1, "weight", Double()),
+    "in-place parameter": lambda m: m.fc1.weight.data.mul_(3),
+    "parameter .data": lambda m: setattr(m.fc1.weight, "data", m.fc1.weight.data + 1),
+    "load_state_dict": lambda m: m.load_state_dict(
+        {k: v + 1 if v.is_floating_point() else v for k, v in m.state_dict().items()}
+    ),
+    "load_state_dict assign": lambda m: m.load_state_dict(
+        {k: v.clone() + 1 if v.is_floating_point() else v for k, v in m.state_dict().items()},
+        assign=True,
+    ),
+}
+SETUP: dict[str, Callable[[Flex], Any]] = {"hook removed": _setup_remove_hook}
+
+
+def _check(model: nn.Module, devices: list[str]) -> None:
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(5, 4, dtype=dtype)
+    with torch.no_grad():
+        replicas = replicate(model, devices)
+        expected = model(x)
+        for replica in replicas:
+            torch.testing.assert_close(replica(x), expected)
+            flags = [m.training for m in replica.modules()]
+            assert flags == [m.training for m in model.modules()]
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_the_fast_path_is_seen(change: str, devices: list[str]) -> None:
+    model = _flex()
+    SETUP.get(change, lambda m: None)(model)
+    _check(model, devices)  # builds the replicas
+    _check(model, devices)  # the fast path: nothing changed since
+    with torch.no_grad():
+        CHANGES[change](model)
+    _check(model, devices)
+    _check(model, devices)  # and the call after it, on the fast path again
+
+
+def test_an_unchanged_module_takes_the_fast_path() -> None:
+    # Neither the cache's own sync nor a plain forward counts a change: were either to, every
+    # call would take the full walk and refill (correct, but the cost issue 12 removed).
+    model = _flex()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        first = replicate(model, ["cpu", "cpu:1"])
+        before = mutations.epoch()
+        for _ in range(3):
+            replicas = replicate(model, ["cpu", "cpu:1"])
+            for replica in replicas:
+                replica(x)
+        assert mutations.epoch() == before
+        assert all(a is b for a, b in zip(first, replicas, strict=True))
+    assert mutations.tracking()
+
+
+class Counter(nn.Module):
+    """Writes an attribute in its forward, as some modules keep a step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.lin(x)
+
+
+def test_what_a_forward_writes_on_a_replica_does_not_outlive_the_call() -> None:
+    model = Counter()
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        r0, r1 = replicate(model, ["cpu", "cpu"])
+        assert r0 is model and r1.calls == model.calls  # replica 1 mirrors the module again
+        r0(x)
+        r1(x)
+    assert model.calls == 3  # replica 0 is the module: its writes land, once per call
+
+
+def test_a_library_replacing_a_wrapped_method_turns_the_fast_path_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _flex()
+    _check(model, ["cpu", "cpu"])
+    torch_setattr = nn.Module.__setattr__.__wrapped__  # type: ignore[attr-defined]
+
+    def their_setattr(self: nn.Module, name: str, value: Any) -> None:
+        torch_setattr(self, name, value)  # counts nothing
+
+    monkeypatch.setattr(nn.Module, "__setattr__", their_setattr)
+    assert not mutations.tracking()
+    _check(model, ["cpu", "cpu"])
+    model.scale = 5.0
+    _check(model, ["cpu", "cpu"])  # seen by the full check
+
+
+class OwnSetattr(Flex):
+    """A module whose ``__setattr__`` does not go through ``nn.Module``'s for plain values."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, (int, float)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+def test_a_module_with_its_own_setattr_is_checked_in_full_on_every_call() -> None:
+    torch.manual_seed(0)
+    model = OwnSetattr().eval()
+    _check(model, ["cpu", "cpu"])
+    _check(model, ["cpu", "cpu"])
+    model.scale = 4.0  # counted by nothing
+    _check(model, ["cpu", "cpu"])
+
+
+def test_a_write_past_every_mutation_path_is_seen_after_clear_replica_cache() -> None:
+    model = _flex()
+    _check(model, ["cpu", "cpu"])
+    model.__dict__["scale"] = 6.0  # bypasses __setattr__: the documented blind spot
+    clear_replica_cache(model)
+    _check(model, ["cpu", "cpu"])
+
+
+def test_training_copies_follow_grad_mode_switches_on_the_fast_path() -> None:
+    # Under autograd, replicas on another device get new differentiable copies each call;
+    # in inference, reusable copies refreshed in place: switching back and forth must leave
+    # each replica holding the tensors of this call.
+    model = _flex()
+    x = torch.randn(4, 4)
+    for grad in (True, False, True, False):
+        with torch.set_grad_enabled(grad):
+            _, r1 = replicate(model, ["cpu", "cpu:1"])
+            assert (r1.fc1.weight.grad_fn is not None) == grad
+            out = r1(x)
+            torch.testing.assert_close(out, model(x))
+            if grad:
+                out.sum().backward()
+                assert model.fc1.weight.grad is not None
+                model.zero_grad()
