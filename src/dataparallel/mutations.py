@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -45,8 +47,10 @@ __all__ = ["epoch", "install", "tracking"]
 _COUNTER = itertools.count(1)
 _EPOCH = 0
 _INSTALL_LOCK = threading.Lock()
-# (owner, attribute name, our wrapper), filled by install().
+# (owner, attribute name, our wrapper), filled by install(); and the same as three tuples
+# (names, wrappers, the owners' class dictionaries) for tracking().
 _WRAPPED: list[tuple[type, str, Any]] = []
+_CHECK: list[tuple[Any, ...]] = []
 
 _MODULE_METHODS = (
     "__delattr__",
@@ -127,12 +131,23 @@ def install() -> None:
         targets.append((RemovableHandle, "remove", _counting(RemovableHandle.remove)))
         for owner, name, wrapper in targets:
             setattr(owner, name, wrapper)
+        _CHECK.extend(
+            (
+                tuple(name for _, name, _ in targets),
+                tuple(wrapper for _, _, wrapper in targets),
+                tuple(owner.__dict__ for owner, _, _ in targets),  # live views
+            )
+        )
         _WRAPPED.extend(targets)
         _bump()
 
 
 def tracking() -> bool:
-    """Whether every wrapper is installed and still in place (no library replaced one since)."""
-    if not _WRAPPED:
+    """Whether every wrapper is installed and still in place (no library replaced one since).
+
+    Called on every cached ``replicate``: the check runs in C (about 1 µs for the 16 names).
+    """
+    if not _CHECK:
         return False
-    return all(owner.__dict__.get(name) is wrapper for owner, name, wrapper in _WRAPPED)
+    names, wrappers, dicts = _CHECK
+    return all(map(operator.is_, map(MappingProxyType.get, dicts, names), wrappers))
