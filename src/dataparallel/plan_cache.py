@@ -22,6 +22,7 @@ import torch
 
 from dataparallel.plan import build_plan
 from dataparallel.plan_model import BroadcastNode, Node, Plan, SplitNode, StructNode
+from dataparallel.scatter import take
 
 __all__ = ["PlanCache", "signature"]
 
@@ -101,8 +102,16 @@ class PlanCache:
         devices: list[torch.device],
         dim: int,
         options: Mapping[str, Any],
+        *,
+        bare: bool = False,
     ) -> Plan:
-        """The plan ``build_plan(inputs, kwargs, devices, dim, **options)`` would make."""
+        """The plan ``build_plan(inputs, kwargs, devices, dim, **options)`` would make.
+
+        With ``bare=True``, a reused plan whose one chunk is the whole batch on the device
+        where every tensor already is, with no cast (so its scatter would return the arguments
+        themselves), comes without its compiled tree and with ``moves_nothing`` set in its
+        ``__dict__``: the caller passes the arguments on as they are.
+        """
         sig = signature(inputs, kwargs)
         frozen = None if sig is None else _freeze(options)
         entry = self.entry
@@ -114,7 +123,12 @@ class PlanCache:
             and entry[2] == frozen
             and entry[3] == devices
         ):
-            return _instantiate(entry[4], entry[5], entry[6], inputs, kwargs)
+            template = entry[4]
+            if bare and "moves_nothing" in template.__dict__:
+                plan = Plan.__new__(Plan)
+                plan.__dict__.update(template.__dict__)
+                return plan
+            return _instantiate(template, entry[5], entry[6], inputs, kwargs)
         plan = build_plan(inputs, kwargs, devices, dim, **options)
         if frozen is not None and isinstance(plan.root_args, StructNode):
             arg_leaves = [_leaf(c) for c in plan.root_args.children]
@@ -125,8 +139,29 @@ class PlanCache:
             template.root_args = template.root_kwargs = None
             template.entry_records = []
             template.__dict__.pop("_entries", None)
+            if _moves_nothing(plan, inputs, kwargs):
+                template.__dict__["moves_nothing"] = True
             self.entry = (sig, dim, frozen, list(devices), template, arg_leaves, kw_leaves)
         return plan
+
+
+def _moves_nothing(plan: Plan, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the plan's scatter returns the arguments themselves: one chunk, the whole batch,
+    no cast, every tensor already on that chunk's device (true of every call that shares the
+    signature, which holds each tensor's device, shape and dtype)."""
+    if len(plan.slices) != 1 or len(plan.slices[0]) != 1 or plan.dtype is not None:
+        return False
+    device, start, length = plan.slices[0][0]
+    if start != 0 or length != plan.batch_size:
+        return False
+    args, kw = take(plan, start, length, device)
+    return (
+        type(args) is tuple
+        and len(args) == len(inputs)
+        and all(a is b for a, b in zip(args, inputs, strict=True))
+        and kw.keys() == kwargs.keys()
+        and all(kw[k] is kwargs[k] for k in kw)
+    )
 
 
 def _instantiate(
