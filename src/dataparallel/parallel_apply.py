@@ -143,10 +143,16 @@ def _execute(task: _Task) -> None:
         task.error = exc
 
 
+def _span(device: torch.device, stream: Any) -> Span:
+    """Start timing a replica: the one place replicas are timed (a CUDA replica on ``stream``,
+    with events from its device's pool; any other with the wall clock)."""
+    return Span() if stream is None else Span(cuda_pool(device), stream)
+
+
 def _run(task: _Task, stream: Any) -> None:
-    """The replica's forward, timed by a span when asked (the one place replicas are timed)."""
+    """The replica's forward, timed by a span when asked."""
     if task.sync:
-        task.span = Span() if stream is None else Span(cuda_pool(task.device), stream)
+        task.span = _span(task.device, stream)
     try:
         task.result = task.module(*task.args, **task.kwargs)
     finally:
@@ -432,7 +438,7 @@ def _apply_here(
     is, naming the replica, its device and its inputs."""
     if not isinstance(args, tuple):
         args = (args,)
-    span = None if timings is None else Span()
+    span = None if timings is None else _span(device, None)
     try:
         result = module(*args, **kwargs)
     except BaseException as exc:

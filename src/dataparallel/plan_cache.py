@@ -22,9 +22,9 @@ import torch
 
 from dataparallel.plan import build_plan
 from dataparallel.plan_model import BroadcastNode, Node, Plan, SplitNode, StructNode
-from dataparallel.scatter import take
+from dataparallel.scatter import _mover, take
 
-__all__ = ["PlanCache", "signature"]
+__all__ = ["PlanCache", "signature", "take_flat"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -107,10 +107,10 @@ class PlanCache:
     ) -> Plan:
         """The plan ``build_plan(inputs, kwargs, devices, dim, **options)`` would make.
 
-        With ``bare=True``, a reused plan whose one chunk is the whole batch on the device
-        where every tensor already is, with no cast (so its scatter would return the arguments
-        themselves), comes without its compiled tree and with ``moves_nothing`` set in its
-        ``__dict__``: the caller passes the arguments on as they are.
+        With ``bare=True``, a reused plan comes without its compiled tree: the caller cuts its
+        chunks with :func:`take_flat` (the plan's ``__dict__`` holds ``"flat"``). A plan whose
+        one chunk is the whole batch on the device where every tensor already is, with no
+        cast, also has ``"moves_nothing"``: its scatter returns the arguments themselves.
         """
         sig = signature(inputs, kwargs)
         frozen = None if sig is None else _freeze(options)
@@ -124,7 +124,7 @@ class PlanCache:
             and entry[3] == devices
         ):
             template = entry[4]
-            if bare and "moves_nothing" in template.__dict__:
+            if bare:  # the caller scatters with ``take_flat`` (or not at all)
                 plan = Plan.__new__(Plan)
                 plan.__dict__.update(template.__dict__)
                 return plan
@@ -139,10 +139,56 @@ class PlanCache:
             template.root_args = template.root_kwargs = None
             template.entry_records = []
             template.__dict__.pop("_entries", None)
+            template.__dict__["flat"] = (arg_leaves, kw_leaves)
             if _moves_nothing(plan, inputs, kwargs):
                 template.__dict__["moves_nothing"] = True
             self.entry = (sig, dim, frozen, list(devices), template, arg_leaves, kw_leaves)
         return plan
+
+
+def take_flat(
+    plan: Plan,
+    wave: list[tuple[torch.device, int, int]],
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """The chunks of one wave of a bare reused plan: what ``take`` gives for each
+    ``(device, start, length)``, cut straight from the flat leaves (every argument is a plain
+    dense tensor, so there is no tree to walk)."""
+    arg_leaves, kw_leaves = plan.__dict__["flat"]
+    dtype = plan.dtype
+    keys = list(kwargs)
+    all_args: list[tuple[Any, ...]] = []
+    all_kwargs: list[dict[str, Any]] = []
+    for device, start, length in wave:
+        move = _mover(device, dtype)
+        plain = move if dtype is None else _mover(device, None)
+        all_args.append(
+            tuple(
+                _cut(leaf, a, start, length, move, plain)
+                for leaf, a in zip(arg_leaves, inputs, strict=True)
+            )
+        )
+        all_kwargs.append(
+            {
+                k: _cut(leaf, kwargs[k], start, length, move, plain)
+                for leaf, k in zip(kw_leaves, keys, strict=True)
+            }
+        )
+    return all_args, all_kwargs
+
+
+def _cut(
+    leaf: tuple[Any, ...], t: _Tensor, start: int, length: int, move: Any, plain: Any
+) -> _Tensor:
+    """One leaf's part of a chunk, as ``scatter._run`` makes it for its node."""
+    split, a, cast, _ = leaf
+    if split:
+        if start or length != t.shape[a]:  # the whole batch needs no narrow
+            t = t.narrow(a, start, length)
+    elif not a:  # a broadcast that stays where it is
+        return t
+    return (move if cast else plain)(t)
 
 
 def _moves_nothing(plan: Plan, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

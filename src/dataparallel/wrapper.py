@@ -22,11 +22,17 @@ from torch import nn
 from dataparallel.call_stats import CallStats, DeviceOutputs, Overrides, overrides
 from dataparallel.compiled import check_not_compiled
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
-from dataparallel.gather import ScalarMode, first_batch_size, gather, gather_one
+from dataparallel.gather import (
+    ScalarMode,
+    concat_batched,
+    first_batch_size,
+    gather,
+    gather_one,
+)
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
-from dataparallel.plan_cache import PlanCache
+from dataparallel.plan_cache import PlanCache, take_flat
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
 
@@ -220,8 +226,12 @@ class DataParallel(nn.Module):
         device where its tensors are (and no ``dtype`` cast) is the arguments themselves."""
         devices = [device for device, _, _ in wave]
         if not steps.scatter:
-            if "moves_nothing" in plan.__dict__:  # a reused plan of one whole chunk in place
+            bare = plan.__dict__
+            if "moves_nothing" in bare:  # a reused plan of one whole chunk, in place
                 return [inputs], [kwargs], devices, [plan.batch_size]
+            if "flat" in bare:  # a reused plan of plain tensors: no tree to walk
+                flat_args, flat_kws = take_flat(plan, wave, inputs, kwargs)
+                return flat_args, flat_kws, devices, [n for *_, n in wave]
             chunks = [take(plan, start, length, device) for device, start, length in wave]
             return [a for a, _ in chunks], [k for _, k in chunks], devices, [n for *_, n in wave]
         if len(plan.slices) > 1:
@@ -278,6 +288,10 @@ class DataParallel(nn.Module):
             return self.gather(outputs, self.output_device)
         if len(outputs) == 1 and self.scalars != "stack":
             return gather_one(outputs[0], self.output_device)
+        if not steps.scatter:
+            out = concat_batched(outputs, self.output_device, self.dim, sizes)
+            if out is not None:
+                return out
         return gather(
             outputs,
             self.output_device,
