@@ -100,7 +100,7 @@ class _Task:
         kwargs: Mapping[str, Any],
         device: torch.device,
         grad: bool,
-        autocast: list[tuple[str, torch.dtype, bool]],
+        autocast: list[tuple[str, torch.dtype]],
         stream: Any,
         side: Any,
         sync: bool,
@@ -124,12 +124,20 @@ class _Task:
 
 def _execute(task: _Task) -> None:
     """Run one task with the caller's context; never raises (errors are stored)."""
+    if task.stream is None and not task.autocast:
+        # A CPU replica without autocast: only the grad mode to replay. Set as a function (no
+        # context manager to build and exit): the worker's thread sets it for every task.
+        try:
+            torch.set_grad_enabled(task.grad)
+            _run(task, None)
+        except BaseException as exc:
+            task.error = exc
+        return
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(task.grad))
-            for device_type, dtype, enabled in task.autocast:
-                if enabled:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            for device_type, dtype in task.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
             stream = None
             if task.stream is not None:
                 stack.enter_context(torch.cuda.device(task.device))
@@ -389,7 +397,7 @@ def apply_replicas(
         return [_apply_here(modules[0], inputs[0], kwargs_tup[0], devices[0], timings)]
     grad = torch.is_grad_enabled()
     sync = timings is not None
-    states: dict[str, list[tuple[str, torch.dtype, bool]]] = {}
+    states: dict[str, list[tuple[str, torch.dtype]]] = {}
     tasks: list[_Task] = []
     worker_slots: list[int] = []  # the k-th replica on a device runs on that device's slot k
     slots: dict[torch.device, int] = {}
@@ -401,7 +409,8 @@ def apply_replicas(
             autocast = states[device.type] = []
             for device_type in dict.fromkeys([device.type, "cpu"]):
                 enabled, dtype = _autocast_state(device_type)
-                autocast.append((device_type, dtype, enabled))
+                if enabled:  # only what a worker must replay
+                    autocast.append((device_type, dtype))
         stream = side = None
         if device.type == "cuda":
             stream = torch.cuda.current_stream(device)
