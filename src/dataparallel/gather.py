@@ -228,7 +228,7 @@ def concat_batched(
         if type(v) is not torch.Tensor or not (-v.ndim <= dim < v.ndim and v.shape[dim] == size):
             return None
     try:
-        return torch.cat([v.to(target) for v in outputs], dim)
+        return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
     except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
         return None
 
