@@ -123,3 +123,51 @@ def test_one_device_error_names_the_replica_and_inputs() -> None:
     for _ in range(2):
         with pytest.raises(ValueError, match=r"replica 0 on cpu, inputs \(Tensor\[3, 2\]\): boom"):
             model(torch.zeros(3, 2))
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, batch: dict[str, Any], extra: list[torch.Tensor]) -> dict[str, Any]:
+        out = self.lin(batch["x"] * batch["mask"]) + extra[0].sum()
+        return {"out": out, "names": batch["names"]}
+
+
+def test_one_device_call_of_containers_takes_the_whole_batch_plan() -> None:
+    # Containers are not in the plan cache: on one device the plan is the whole batch,
+    # decided by the vote alone, and every result equals the plain module's.
+    torch.manual_seed(0)
+    net = DictNet()
+    ref = copy.deepcopy(net)
+    model = dp.DataParallel(net, ["cpu"])
+    for batch_size in (5, 5, 3):
+        x, mask = torch.randn(batch_size, 4), torch.ones(batch_size, 4)
+        names = [f"s{i}" for i in range(batch_size)]
+        table = [torch.randn(7, 2)]  # not batched: the vote still says batch_size
+        out = model({"x": x, "mask": mask, "names": names}, dp.Shared(table))
+        want = ref({"x": x, "mask": mask, "names": names}, table)
+        torch.testing.assert_close(out["out"], want["out"], atol=1e-5, rtol=0)
+        assert out["names"] == names
+        assert model.last_call is not None and model.last_call.chunk_sizes == [batch_size]
+        out["out"].sum().backward()
+        want["out"].sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0)
+
+
+def test_one_device_containers_the_vote_cannot_settle_take_the_full_plan() -> None:
+    model = dp.DataParallel(Echo(), ["cpu"])
+    # A dp.Split decides B (not the vote); a marker is unwrapped either way.
+    (seq,), _ = model(dp.Split([1, 2, 3]))
+    assert seq == [1, 2, 3] and model.last_call.chunk_sizes == [3]
+    # Nested deeper than the walk that moves tensors goes: the full plan names the input, as
+    # it does on several devices.
+    deep: Any = torch.zeros(2)
+    for _ in range(150):
+        deep = [deep]
+    with pytest.raises(ValueError, match=r"args\[1\]: containers nested more than 100"):
+        model(torch.zeros(4, 1), dp.Shared(deep))
+    with pytest.raises(ValueError, match="batch"):
+        model(torch.zeros(0, 2), [torch.zeros(0)])  # B = 0 is refused, as on every path

@@ -10,7 +10,9 @@ alive between calls), and on a hit makes a plan for the new tensors from the tem
 Only calls whose arguments are all plain dense tensors (exactly ``torch.Tensor``, at the top
 of the argument tuple or the keyword dict) are cached: for them the signature is a few
 attribute reads. Anything else (containers, lists, markers, ndarrays, subclasses) takes
-``build_plan`` every time, as before.
+``build_plan`` every time, as before, with one exception: a wrapper of one device and no batch
+options asks only for the batch size (:func:`whole_batch`), since one chunk of the whole batch
+splits nothing and so cannot broadcast anything in place of a split.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import Any
 
 import torch
 
-from dataparallel.plan import build_plan
+from dataparallel.plan import build_plan, vote_batch_size
 from dataparallel.plan_model import BroadcastNode, Node, Plan, SplitNode, StructNode
 from dataparallel.scatter import _mover, take
+from dataparallel.tree import TooDeep, map_tensors
 
-__all__ = ["PlanCache", "signature", "take_flat"]
+__all__ = ["PlanCache", "signature", "take_flat", "take_whole", "whole_batch"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -90,10 +93,11 @@ class PlanCache:
     new ``Plan`` (nothing cached is mutated).
     """
 
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "whole")
 
     def __init__(self) -> None:
         self.entry: tuple[Any, ...] | None = None
+        self.whole: Plan | None = None  # the last whole-batch plan, reused for the same B
 
     def get(
         self,
@@ -113,6 +117,12 @@ class PlanCache:
         cast, also has ``"moves_nothing"``: its scatter returns the arguments themselves.
         """
         sig = signature(inputs, kwargs)
+        if sig is None and bare and len(devices) == 1 and not any(options.values()):
+            # (getattr: a cache unpickled from a version without the slot lacks it)
+            whole = whole_batch(inputs, kwargs, devices[0], dim, getattr(self, "whole", None))
+            if whole is not None:
+                self.whole = whole
+                return whole
         frozen = None if sig is None else _freeze(options)
         entry = self.entry
         if (
@@ -144,6 +154,65 @@ class PlanCache:
                 template.__dict__["moves_nothing"] = True
             self.entry = (sig, dim, frozen, list(devices), template, arg_leaves, kw_leaves)
         return plan
+
+
+def whole_batch(
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    device: torch.device,
+    dim: int,
+    last: Plan | None = None,
+) -> Plan | None:
+    """A bare plan of one chunk, the whole batch on ``device``, or ``None`` when the vote alone
+    does not give ``B`` (a ``dp.Split``, an iterator, a ``PackedSequence``, no batch, an input
+    the plan refuses): the caller then builds the full plan, which decides or names the error.
+
+    With one chunk nothing is split, so the plan's rules only decide ``B`` (for ``last_call``
+    and gather); the scatter is :func:`take_whole`. The plan's ``__dict__`` holds ``"whole"``.
+    """
+    try:
+        batch = vote_batch_size(inputs, kwargs, dim)
+    except (TooDeep, ValueError, TypeError):
+        return None
+    if not batch:
+        return None
+    if (
+        last is not None
+        and last.batch_size == batch
+        and last.dim == dim
+        and last.devices[0] == device
+    ):
+        return last  # bare plans are never changed by their users: one serves every such call
+    plan = Plan(
+        batch_size=batch,
+        devices=[device],
+        chunk_sizes=[batch],
+        entry_records=[],
+        votes=[],
+        waves=[[batch]],
+        decided_by="vote",
+        dim=dim,
+        slices=[[(device, 0, batch)]],
+        device_sizes=[[batch]],
+    )
+    plan.__dict__["whole"] = True
+    return plan
+
+
+def take_whole(
+    inputs: tuple[Any, ...], kwargs: Mapping[str, Any], device: torch.device
+) -> tuple[Any, Any] | None:
+    """The one chunk of a :func:`whole_batch` plan: the arguments with their tensors on
+    ``device`` and markers unwrapped, themselves where nothing moves; ``None`` for arguments
+    nested too deep (the full plan names them)."""
+
+    def move(t: _Tensor) -> _Tensor:
+        return t if t.device == device else t.to(device, non_blocking=device.type == "cuda")
+
+    try:
+        return map_tensors(inputs, move), map_tensors(kwargs, move) if kwargs else kwargs
+    except TooDeep:
+        return None
 
 
 def take_flat(

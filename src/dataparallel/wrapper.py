@@ -32,7 +32,7 @@ from dataparallel.gather import (
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
-from dataparallel.plan_cache import PlanCache, take_flat
+from dataparallel.plan_cache import PlanCache, take_flat, take_whole
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
 
@@ -229,6 +229,12 @@ class DataParallel(nn.Module):
             bare = plan.__dict__
             if "moves_nothing" in bare:  # a reused plan of one whole chunk, in place
                 return [inputs], [kwargs], devices, [plan.batch_size]
+            if "whole" in bare:  # one device, a call of containers: nothing to split
+                whole = take_whole(inputs, kwargs, devices[0])
+                if whole is None:  # too deep to walk: the full plan decides (or names it)
+                    full = build_plan(inputs, kwargs, devices, self.dim, **self.options)
+                    return self._scatter_wave(full, full.slices[0], inputs, kwargs, steps)
+                return [whole[0]], [whole[1]], devices, [plan.batch_size]
             if "flat" in bare:  # a reused plan of plain tensors: no tree to walk
                 flat_args, flat_kws = take_flat(plan, wave, inputs, kwargs)
                 return flat_args, flat_kws, devices, [n for *_, n in wave]
