@@ -597,3 +597,18 @@ def test_docstring_examples_run() -> None:
     module = importlib.import_module("dataparallel.gather")
     result = doctest.testmod(module, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_concat_batched_equals_gather_or_declines() -> None:
+    from dataparallel.gather import concat_batched
+
+    cpu = torch.device("cpu")
+    parts = [torch.randn(2, 3), torch.randn(3, 3)]
+    got = concat_batched(parts, cpu, 0, [2, 3])
+    assert got is not None and torch.equal(got, gather(parts, cpu, chunk_sizes=[2, 3]))
+    assert concat_batched(parts, cpu, -2, [2, 3]) is not None
+    # other rules may apply: sizes that are not the chunks', scalars, containers, subclasses
+    assert concat_batched(parts, cpu, 0, [3, 2]) is None
+    assert concat_batched([torch.tensor(1.0), torch.tensor(2.0)], cpu, 0, [1, 1]) is None
+    assert concat_batched([{"y": parts[0]}, {"y": parts[1]}], cpu, 0, [2, 3]) is None
+    assert concat_batched([torch.randn(2, 3), torch.randn(3, 4)], cpu, 0, [2, 3]) is None

@@ -205,3 +205,39 @@ def test_module_changes_between_calls_of_one_signature_are_seen() -> None:
     with torch.no_grad():
         out = model(x)
     assert (out == 0).any()  # dropout zeroed something: the replicas are in training mode
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_flat_chunks_of_a_bare_plan_equal_take(dtype: torch.dtype | None) -> None:
+    from dataparallel.plan_cache import take_flat
+
+    cache = PlanCache()
+    devices = [torch.device("cpu"), torch.device("cpu", 1), torch.device("cpu")]
+    options = {"max_size": 2, "dtype": dtype}
+    call = ((torch.randn(10, 2), torch.zeros(3)), {"k": torch.ones(10, dtype=torch.int64)})
+    cache.get(*call, devices, 0, options)
+    x, table, k = torch.randn(10, 2), torch.randn(3), torch.arange(10)
+    bare = cache.get((x, table), {"k": k}, devices, 0, options, bare=True)
+    fresh = build_plan((x, table), {"k": k}, devices, 0, **options)
+    assert bare.slices == fresh.slices and len(bare.slices) > 1
+    for wave in fresh.slices:
+        flat_args, flat_kws = take_flat(bare, wave, (x, table), {"k": k})
+        for (d, s, n), fa, fk in zip(wave, flat_args, flat_kws, strict=True):
+            ta, tk = take(fresh, s, n, d)
+            assert type(fa) is tuple and len(fa) == len(ta) == 2
+            for p, q in [*zip(fa, ta, strict=True), (fk["k"], tk["k"])]:
+                assert p.dtype == q.dtype and p.device == q.device and torch.equal(p, q)
+            if d == torch.device("cpu") and dtype is None:  # a broadcast in place: not copied
+                assert fa[1] is table
+
+
+def test_a_bare_one_chunk_plan_in_place_moves_nothing() -> None:
+    cache = PlanCache()
+    one = [torch.device("cpu")]
+    cache.get((torch.randn(4, 2),), {}, one, 0, {})
+    assert "moves_nothing" in cache.get((torch.randn(4, 2),), {}, one, 0, {}, bare=True).__dict__
+    cast = {"dtype": torch.float64}
+    cache.get((torch.randn(4, 2),), {}, one, 0, cast)
+    assert (
+        "moves_nothing" not in cache.get((torch.randn(4, 2),), {}, one, 0, cast, bare=True).__dict__
+    )

@@ -30,7 +30,7 @@ from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
 from dataparallel.packed import gather_packed, is_packed
 from dataparallel.tree import rebuild_mapping, rebuild_sequence
 
-__all__ = ["ScalarMode", "first_batch_size", "gather"]
+__all__ = ["ScalarMode", "concat_batched", "first_batch_size", "gather", "gather_one"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
 _SCALAR_MODES = ("mean", "sum", "stack")
@@ -205,6 +205,32 @@ def gather(
         "itself, expected a tree of tuples, lists, dicts and dataclasses; return a flatter "
         "output, or use gather=False"
     )
+
+
+def gather_one(output: Any, target: torch.device) -> Any:
+    """``gather([output], target)`` for arguments already checked (``DataParallel`` checked
+    them at construction), without ``"stack"``: one replica's output with its tensors moved
+    to ``target`` (itself when nothing moves)."""
+    try:
+        return _to_target(output, target, None)
+    except RecursionError:
+        pass
+    return gather([output], target)  # raises the error that names the problem
+
+
+def concat_batched(
+    outputs: Sequence[Any], target: torch.device, dim: int, sizes: Sequence[int]
+) -> torch.Tensor | None:
+    """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor
+    whose size along ``dim`` is its chunk's (rule 1: concatenated on ``target``), for arguments
+    already checked; ``None`` when another rule may apply (the caller then calls ``gather``)."""
+    for v, size in zip(outputs, sizes, strict=True):
+        if type(v) is not torch.Tensor or not (-v.ndim <= dim < v.ndim and v.shape[dim] == size):
+            return None
+    try:
+        return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
+    except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
+        return None
 
 
 def _check_weights(scalar_weights: Sequence[float], n: int) -> tuple[float, ...]:

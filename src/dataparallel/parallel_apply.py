@@ -33,7 +33,6 @@ import contextlib
 import os
 import queue
 import threading
-import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -42,8 +41,9 @@ import torch
 from torch import nn
 
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
+from dataparallel.spans import Span, cuda_pool
 
-__all__ = ["CudaSpan", "describe_inputs", "parallel_apply"]
+__all__ = ["apply_replicas", "describe_inputs", "parallel_apply"]
 
 THREAD_PREFIX = "dataparallel-"
 
@@ -87,7 +87,6 @@ class _Task:
         "kwargs",
         "module",
         "result",
-        "seconds",
         "side",
         "span",
         "stream",
@@ -101,7 +100,7 @@ class _Task:
         kwargs: Mapping[str, Any],
         device: torch.device,
         grad: bool,
-        autocast: list[tuple[str, torch.dtype, bool]],
+        autocast: list[tuple[str, torch.dtype]],
         stream: Any,
         side: Any,
         sync: bool,
@@ -114,49 +113,32 @@ class _Task:
         self.autocast = autocast
         self.stream = stream  # the caller's current stream on a CUDA device, else None
         self.side = side  # a pool side stream for a repeated CUDA device, else None
-        self.sync = sync  # time the replica (on CUDA: with events, read later)
-        self.span: CudaSpan | None = None
+        self.sync = sync  # time the replica (on CUDA: with pooled events, read later)
+        self.span: Span | None = None
         self.result: Any = None
         self.error: BaseException | None = None
-        self.seconds = 0.0
         self.cancelled = False
         self.done = _allocate_lock()
         self.done.acquire()
 
 
-class CudaSpan:
-    """A replica's time on its CUDA stream, measured with events and read only when asked.
-
-    Waiting for the device to stop a clock would block the host on every call and stall the
-    queue of the next step's kernels; events cost nothing until ``float(span)`` synchronizes
-    with the end event.
-    """
-
-    __slots__ = ("_stream", "end", "start")
-
-    def __init__(self, stream: Any) -> None:
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-        self.start.record(stream)
-        self._stream = stream
-
-    def stop(self) -> None:
-        self.end.record(self._stream)
-
-    def __float__(self) -> float:
-        self.end.synchronize()
-        return float(self.start.elapsed_time(self.end)) / 1000.0
-
-
 def _execute(task: _Task) -> None:
     """Run one task with the caller's context; never raises (errors are stored)."""
-    start = time.perf_counter()
+    if task.stream is None and not task.autocast:
+        # A CPU replica without autocast: only the grad mode to replay. Set as a function (no
+        # context manager to build and exit): the worker's thread sets it for every task.
+        try:
+            torch.set_grad_enabled(task.grad)
+            _run(task, None)
+        except BaseException as exc:
+            task.error = exc
+        return
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(task.grad))
-            for device_type, dtype, enabled in task.autocast:
-                if enabled:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            for device_type, dtype in task.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stream = None
             if task.stream is not None:
                 stack.enter_context(torch.cuda.device(task.device))
                 stream = task.stream
@@ -164,19 +146,37 @@ def _execute(task: _Task) -> None:
                     task.side.wait_stream(task.stream)
                     stream = task.side
                 stack.enter_context(torch.cuda.stream(stream))
-                if task.sync:
-                    task.span = CudaSpan(stream)
-            try:
-                task.result = task.module(*task.args, **task.kwargs)
-            finally:
-                if task.span is not None:
-                    task.span.stop()
-                if task.side is not None:
-                    task.stream.wait_stream(task.side)
+            _run(task, stream)
     except BaseException as exc:  # KeyboardInterrupt too: the worker must live
         task.error = exc
+
+
+def _span(device: torch.device, stream: Any) -> Span:
+    """Start timing a replica: the one place replicas are timed (a CUDA replica on ``stream``,
+    with events from its device's pool; any other with the wall clock)."""
+    return Span() if stream is None else Span(cuda_pool(device), stream)
+
+
+def _run(task: _Task, stream: Any) -> None:
+    """The replica's forward, timed by a span when asked."""
+    if task.sync:
+        task.span = _span(task.device, stream)
+    try:
+        task.result = task.module(*task.args, **task.kwargs)
     finally:
-        task.seconds = time.perf_counter() - start
+        if task.span is not None:
+            task.span.stop()
+        if task.side is not None:
+            task.stream.wait_stream(task.side)
+
+
+def _execute_here(task: _Task) -> None:
+    """Run a CPU task on the calling thread: its grad mode and autocast are the caller's own
+    already, so nothing is replayed (the cost of one replica on one device is the forward)."""
+    try:
+        _run(task, None)
+    except BaseException as exc:
+        task.error = exc
 
 
 class _Worker:
@@ -331,8 +331,9 @@ def parallel_apply(
         devices: one device spec per module; ``None`` infers each from its first input tensor
             (else the module's first tensor, else the CPU).
         timings: if a list is given, it is filled with each replica's time: wall-clock seconds
-            on the CPU; on CUDA a ``CudaSpan`` of events on the replica's stream, whose
-            ``float()`` gives the seconds (waiting for the stream only then, not per call).
+            on the CPU; on CUDA a ``dataparallel.spans.Span`` of pooled events on the
+            replica's stream, whose ``float()`` gives the seconds (waiting for the stream only
+            then, not per call).
 
     Returns:
         The outputs, in the order of ``modules``.
@@ -361,8 +362,8 @@ def parallel_apply(
             f"kwargs_tup: expected one mapping per module ({n}), got {len(kwargs_tup)}; pass "
             f"None or the kwargs from scatter_kwargs for the same devices"
         )
-    argses = [x if isinstance(x, tuple) else (x,) for x in inputs]
     if devices is None:
+        argses = [x if isinstance(x, tuple) else (x,) for x in inputs]
         resolved = [
             _infer_device(m, a, k) for m, a, k in zip(modules, argses, kwargs_tup, strict=True)
         ]
@@ -374,62 +375,114 @@ def parallel_apply(
             )
         resolved = resolve_devices(devices, where="devices")
         check_runnable(resolved, where="devices")
-    if n == 0:
-        if timings is not None:
-            timings.clear()
-        return []
+    if timings is not None:
+        timings.clear()  # replaced, not appended to
+    return apply_replicas(modules, inputs, kwargs_tup, resolved, timings)
 
+
+def apply_replicas(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[Mapping[str, Any]],
+    devices: Sequence[torch.device],
+    timings: list[Any] | None = None,
+) -> list[Any]:
+    """``parallel_apply`` for arguments already checked: one entry each per module, devices
+    resolved and runnable (``DataParallel`` checked them at construction). ``timings``, when
+    given, is extended with one entry per replica (a float, or a pending CUDA ``Span``)."""
+    n = len(modules)
+    if n == 0:
+        return []
+    if n == 1 and devices[0].type != "cuda":
+        return [_apply_here(modules[0], inputs[0], kwargs_tup[0], devices[0], timings)]
     grad = torch.is_grad_enabled()
-    states: dict[str, list[tuple[str, torch.dtype, bool]]] = {}
+    sync = timings is not None
+    states: dict[str, list[tuple[str, torch.dtype]]] = {}
     tasks: list[_Task] = []
     worker_slots: list[int] = []  # the k-th replica on a device runs on that device's slot k
     slots: dict[torch.device, int] = {}
-    for module, args, kwargs, device in zip(modules, argses, kwargs_tup, resolved, strict=True):
+    for module, args, kwargs, device in zip(modules, inputs, kwargs_tup, devices, strict=True):
         slot = slots.get(device, 0)
         slots[device] = slot + 1
-        autocast = states.get(device.type)
+        autocast = states.get(device.type) if n > 1 else []  # one: the caller's thread
         if autocast is None:
             autocast = states[device.type] = []
             for device_type in dict.fromkeys([device.type, "cpu"]):
                 enabled, dtype = _autocast_state(device_type)
-                autocast.append((device_type, dtype, enabled))
+                if enabled:  # only what a worker must replay
+                    autocast.append((device_type, dtype))
         stream = side = None
         if device.type == "cuda":
             stream = torch.cuda.current_stream(device)
             if slot > 0 and n > 1:
                 side = _side_stream(device, slot)
-        tasks.append(
-            _Task(module, args, kwargs, device, grad, autocast, stream, side, timings is not None)
-        )
+        if not isinstance(args, tuple):  # one argument (a tensor, a per-sample list chunk)
+            args = (args,)
+        tasks.append(_Task(module, args, kwargs, device, grad, autocast, stream, side, sync))
         worker_slots.append(slot)
 
-    if n == 1 or getattr(_local, "in_worker", False):
-        # One replica: no hop is cheaper. Inside a worker: never wait on our own pool.
+    if n == 1:  # one replica: no hop is cheaper
+        _execute_first(tasks[0])
+    elif getattr(_local, "in_worker", False):  # inside a worker: never wait on our own pool
         for task in tasks:
             _execute(task)
     else:
         _run_on_pool(tasks, worker_slots)
 
     if timings is not None:
-        timings[:] = [t.seconds if t.span is None else t.span for t in tasks]
+        timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
     _reraise(tasks)
     return [t.result for t in tasks]
+
+
+def _apply_here(
+    module: nn.Module,
+    args: Any,
+    kwargs: Mapping[str, Any],
+    device: torch.device,
+    timings: list[Any] | None,
+) -> Any:
+    """One CPU replica on the calling thread: the forward, timed, and nothing else to set up
+    (the caller's grad mode and autocast are its own). An error is re-raised as any replica's
+    is, naming the replica, its device and its inputs."""
+    if not isinstance(args, tuple):
+        args = (args,)
+    span = None if timings is None else _span(device, None)
+    try:
+        result = module(*args, **kwargs)
+    except BaseException as exc:
+        task = _Task(module, args, kwargs, device, True, [], None, None, False)
+        task.error = exc
+        del exc
+        _reraise([task])
+    if span is not None:
+        span.stop()
+        timings.append(span.value)  # type: ignore[union-attr]
+    return result
+
+
+def _execute_first(task: _Task) -> None:
+    """Run the first task on the calling thread (a CPU one without replaying any context)."""
+    if task.stream is None:
+        _execute_here(task)
+    else:
+        _execute(task)
 
 
 def _run_on_pool(tasks: list[_Task], slots: list[int]) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
-    only wait otherwise. ``_execute`` replays the same context (grad mode, autocast, device,
-    stream) as a worker does, and stores errors rather than raising them, so every replica has
-    finished before ``_reraise`` looks.
+    only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
+    does (on the CPU the caller's grad mode and autocast are already its own). Errors are
+    stored, not raised, so every replica has finished before ``_reraise`` looks.
     """
     submitted = 1
     try:
         for task, slot in zip(tasks[1:], slots[1:], strict=True):
             _worker(task.device, slot).tasks.put(task)
             submitted += 1
-        _execute(tasks[0])
+        _execute_first(tasks[0])
         for task in tasks[1:]:
             task.done.acquire()
     except BaseException:

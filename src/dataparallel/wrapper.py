@@ -12,76 +12,33 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from dataparallel.call_stats import CallStats, DeviceOutputs, Overrides, overrides
 from dataparallel.compiled import check_not_compiled
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
-from dataparallel.gather import ScalarMode, first_batch_size, gather
+from dataparallel.gather import (
+    ScalarMode,
+    concat_batched,
+    first_batch_size,
+    gather,
+    gather_one,
+)
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
-from dataparallel.parallel_apply import CudaSpan, parallel_apply
-from dataparallel.plan import Plan, build_plan, vote_batch_size
-from dataparallel.plan_cache import PlanCache
+from dataparallel.parallel_apply import apply_replicas, parallel_apply
+from dataparallel.plan import Plan, build_plan
+from dataparallel.plan_cache import PlanCache, take_flat, take_whole
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
-from dataparallel.tree import TooDeep, map_tensors
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
 
 _SCALARS = ("mean", "sum", "stack")
-
-
-@dataclass(frozen=True)
-class CallStats:
-    """The load of the last call: one row per chunk (device, samples, seconds).
-
-    A replica that takes much longer than the others for the same samples is a slow device;
-    ``weights=`` or ``chunk_sizes=`` can even the load out.
-    """
-
-    devices: list[str]
-    chunk_sizes: list[int]
-    timers: list[Any]  # floats, or CUDA spans read (synchronizing) only when asked
-    waves: int = 1
-
-    @property
-    def seconds(self) -> list[float]:
-        """Each chunk's time in seconds (on CUDA this waits for the replicas' streams)."""
-        return [float(t) for t in self.timers]
-
-    def __str__(self) -> str:
-        rows = [("replica", "device", "samples", "ms", "samples/s")]
-        for i, (dev, size, sec) in enumerate(
-            zip(self.devices, self.chunk_sizes, self.seconds, strict=True)
-        ):
-            rate = f"{size / sec:,.0f}" if sec > 0 else "-"
-            rows.append((str(i), dev, str(size), f"{sec * 1e3:.2f}", rate))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        if self.waves > 1:
-            lines.append(f"({self.waves} waves)")
-        return "\n".join(lines)
-
-
-class DeviceOutputs(list[Any]):
-    """The per-device outputs of a ``gather=False`` call, in batch order.
-
-    A list (one output per chunk) that also carries ``devices`` and ``chunk_sizes``, so that
-    ``DataParallelCriterion`` or your own code can finish the work on each device.
-    """
-
-    def __init__(
-        self, outputs: Sequence[Any], devices: Sequence[torch.device], chunk_sizes: Sequence[int]
-    ) -> None:
-        super().__init__(outputs)
-        self.devices = list(devices)
-        self.chunk_sizes = list(chunk_sizes)
 
 
 def _check_scalars(scalars: str) -> ScalarMode:
@@ -175,6 +132,7 @@ class DataParallel(nn.Module):
             )
         self.scalar_weights = scalar_weights
         self._warned: set[tuple[str, ...]] = set()
+        self._find_overrides()
 
     # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
 
@@ -204,117 +162,152 @@ class DataParallel(nn.Module):
     # -- the pipeline -------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Scatter the batch, replicate the module, run the replicas, gather their outputs."""
+        """Plan the call, then per wave scatter, replicate and apply; gather the outputs.
+
+        One path for every call: on one device the plan has one chunk, reused from the last
+        call while the arguments' signature holds, its scatter moves nothing, and the module is
+        its own replica, run on the caller's thread.
+        """
         self._check_module_device()
         try:
-            return self._forward(inputs, kwargs)
+            return self._pipeline(inputs, kwargs)
         except RuntimeError:
             self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
             raise
 
-    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._one_device():
-            batch = vote_batch_size(inputs, kwargs, self.dim)
-            if batch:  # 0 or None: the full path raises or handles it
-                return self._forward_on_one_device(inputs, kwargs, batch)
-        return self._forward_planned(inputs, kwargs)
-
-    def _one_device(self) -> bool:
-        """One device, no batch options, no overridden step: nothing to split or plan."""
-        return (
-            len(self.device_ids) == 1
-            and self.device_ids[0] == self.src_device_obj
-            and not any(v for v in self.options.values())
-            and type(self).scatter is DataParallel.scatter
-            and type(self).parallel_apply is DataParallel.parallel_apply
-            and type(self).gather is DataParallel.gather
-        )
-
-    def _forward_on_one_device(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], batch: int
-    ) -> Any:
-        """The whole batch on the module's own device: every input goes to it as it is.
-
-        With one chunk nothing is split, so nothing can be broadcast in place of a split and
-        no plan is needed: only the batch size (the same vote), for ``last_call`` and gather.
-        Running less Python per call matters here: it is what one-device users pay.
-        """
-        device = self.src_device_obj
-        try:
-            args = _on_device(inputs, device)
-            kw = _on_device(kwargs, device) if kwargs else kwargs
-        except TooDeep:  # the planned path names the input that is too deep
-            return self._forward_planned(inputs, kwargs)
-        if device.type == "cuda":
-            timer: Any = CudaSpan(torch.cuda.current_stream(device))
-            output = self.module(*args, **kw)
-            timer.stop()
-        else:
-            start = time.perf_counter()
-            output = self.module(*args, **kw)
-            timer = time.perf_counter() - start
-        self._record(CallStats([str(device)], [batch], [timer]))
-        if not self.gather_outputs:
-            return DeviceOutputs([output], [device], [batch])
-        return gather(
-            [output], self.output_device, self.dim, chunk_sizes=[batch], scalars=self.scalars
-        )
-
-    def _forward_planned(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        plans: PlanCache | None = self.__dict__.get("_plans")
-        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
-            plans = self.__dict__["_plans"] = PlanCache()
-        # The last plan, reused while the arguments' signature, devices and options hold.
-        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options)
-        if plan.warnings:
-            self._warn_once(plan)
+    def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
+        plan = self._plan(inputs, kwargs)
         outputs: list[Any] = []
         devices: list[torch.device] = []
         sizes: list[int] = []
-        seconds: list[Any] = []
+        timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
         for wave in plan.slices:
-            wave_devices = [device for device, _, _ in wave]
-            wave_inputs, wave_kwargs = self._scatter_wave(inputs, kwargs, plan, wave)
+            args, kws, wave_devices, wave_sizes = self._scatter_wave(
+                plan, wave, inputs, kwargs, steps
+            )
             if self.scalar_weights is not None:
-                weights.extend(chunk_weights(self.scalar_weights, wave_inputs, wave_kwargs))
-            if type(self).scatter is DataParallel.scatter:
-                wave_sizes = [length for _, _, length in wave]
-            else:  # the override chose the chunks: read their sizes, pair devices as torch does
-                wave_devices = wave_devices[: len(wave_inputs)]
-                wave_sizes = [
-                    first_batch_size((a, k), self.dim) or 0
-                    for a, k in zip(wave_inputs, wave_kwargs, strict=True)
-                ]
-            timings: list[Any] = []
-            if len(wave) == 1 and wave_devices[0] == self.src_device_obj:
-                # One chunk on the module's own device: the module is its own replica.
-                if wave_devices[0].type == "cuda":
-                    span = CudaSpan(torch.cuda.current_stream(wave_devices[0]))
-                    wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
-                    span.stop()
-                    timings.append(span)
-                else:
-                    start = time.perf_counter()
-                    wave_outputs = [self.module(*wave_inputs[0], **wave_kwargs[0])]
-                    timings.append(time.perf_counter() - start)
-            else:
-                replicas = self.replicate(self.module, wave_devices)
-                wave_outputs = self._parallel_apply(
-                    replicas, wave_inputs, wave_kwargs, wave_devices, timings
-                )
-                if replicas[0] is not self.module:
-                    _copy_buffers_back(replicas[0], self.module)
-            outputs.extend(wave_outputs)
-            devices.extend(wave_devices)
-            sizes.extend(wave_sizes)
-            seconds.extend(timings or [float("nan")] * len(wave))
-        self._record(CallStats([str(d) for d in devices], sizes, seconds, waves=len(plan.slices)))
+                weights.extend(chunk_weights(self.scalar_weights, args, kws))
+            replicas = self._replicate_wave(wave_devices)
+            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers)
+            devices += wave_devices
+            sizes += wave_sizes
+        self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
+        return self._gather_all(outputs, devices, sizes, weights, steps)
+
+    # -- the steps, each honouring its override -------------------------------------------------
+
+    def _find_overrides(self) -> Overrides:
+        """Which of torch's four steps this wrapper's class overrides: decided once, at
+        construction (or at the first call of a wrapper unpickled from an older version)."""
+        steps = self.__dict__["_steps"] = overrides(type(self))
+        return steps
+
+    def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """The last plan, reused while the arguments' signature, devices and options hold."""
+        plans: PlanCache | None = self.__dict__.get("_plans")
+        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
+            plans = self.__dict__["_plans"] = PlanCache()
+        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options, bare=True)
+        if plan.warnings:
+            self._warn_once(plan)
+        return plan
+
+    def _scatter_wave(
+        self,
+        plan: Plan,
+        wave: list[tuple[torch.device, int, int]],
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        steps: Overrides,
+    ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
+        """One wave's chunks, their devices and sizes. A chunk that is the whole batch on the
+        device where its tensors are (and no ``dtype`` cast) is the arguments themselves."""
+        devices = [device for device, _, _ in wave]
+        if not steps.scatter:
+            bare = plan.__dict__
+            if "moves_nothing" in bare:  # a reused plan of one whole chunk, in place
+                return [inputs], [kwargs], devices, [plan.batch_size]
+            if "whole" in bare:  # one device, a call of containers: nothing to split
+                whole = take_whole(inputs, kwargs, devices[0])
+                if whole is None:  # too deep to walk: the full plan decides (or names it)
+                    full = build_plan(inputs, kwargs, devices, self.dim, **self.options)
+                    return self._scatter_wave(full, full.slices[0], inputs, kwargs, steps)
+                return [whole[0]], [whole[1]], devices, [plan.batch_size]
+            if "flat" in bare:  # a reused plan of plain tensors: no tree to walk
+                flat_args, flat_kws = take_flat(plan, wave, inputs, kwargs)
+                return flat_args, flat_kws, devices, [n for *_, n in wave]
+            chunks = [take(plan, start, length, device) for device, start, length in wave]
+            return [a for a, _ in chunks], [k for _, k in chunks], devices, [n for *_, n in wave]
+        if len(plan.slices) > 1:
+            raise ValueError(
+                "max_size: waves need the built-in scatter, but scatter is overridden; "
+                "drop max_size or the override"
+            )
+        args, kws = self.scatter(inputs, kwargs, devices)
+        # the override chose the chunks: read their sizes, pair devices as torch does
+        sizes = [first_batch_size((a, k), self.dim) or 0 for a, k in zip(args, kws, strict=True)]
+        return args, kws, devices[: len(args)], sizes
+
+    def _replicate_wave(self, devices: list[torch.device]) -> list[nn.Module]:
+        """Replica 0 is the module itself: one chunk on its own device needs no replicate."""
+        if len(devices) == 1 and devices[0] == self.src_device_obj:
+            return [self.module]
+        return self.replicate(self.module, devices)
+
+    def _apply_wave(
+        self,
+        replicas: list[nn.Module],
+        args: Sequence[Any],
+        kws: Sequence[Any],
+        devices: list[torch.device],
+        steps: Overrides,
+        timers: list[Any],
+    ) -> list[Any]:
+        alone = len(replicas) == 1 and replicas[0] is self.module
+        if steps.parallel_apply and not alone:
+            # an override may call super().parallel_apply: it needs this wave's devices
+            self.__dict__["_wave_devices"] = devices
+            try:
+                outputs = self.parallel_apply(replicas, args, kws)
+            finally:
+                self.__dict__.pop("_wave_devices", None)
+            timers += [float("nan")] * len(devices)
+        else:
+            outputs = apply_replicas(replicas, args, kws, devices, timers)
+        if replicas[0] is not self.module:
+            _copy_buffers_back(replicas[0], self.module)
+        return outputs
+
+    def _gather_all(
+        self,
+        outputs: list[Any],
+        devices: list[torch.device],
+        sizes: list[int],
+        weights: list[float],
+        steps: Overrides,
+    ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
-        if type(self).scatter is not DataParallel.scatter:
-            return self._gather(outputs, None, weights or None)  # override chose the chunks
-        return self._gather(outputs, sizes, weights or None)
+        if steps.gather:
+            return self.gather(outputs, self.output_device)
+        if len(outputs) == 1 and self.scalars != "stack":
+            return gather_one(outputs[0], self.output_device)
+        if not steps.scatter:
+            out = concat_batched(outputs, self.output_device, self.dim, sizes)
+            if out is not None:
+                return out
+        return gather(
+            outputs,
+            self.output_device,
+            self.dim,
+            chunk_sizes=None if steps.scatter else sizes,  # an override chose the chunks
+            scalars=self.scalars,
+            scalar_weights=weights or None,
+        )
+
+    # -- torch's overridable steps ----------------------------------------------------------
 
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, device_ids: Sequence[Any]
@@ -351,55 +344,7 @@ class DataParallel(nn.Module):
         """The plan this wrapper would follow for these arguments; runs nothing."""
         return build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
 
-    # -- helpers that honour overrides --------------------------------------------------------
-
-    def _scatter_wave(
-        self,
-        inputs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        plan: Plan,
-        wave: list[tuple[torch.device, int, int]],
-    ) -> tuple[Sequence[Any], Sequence[Any]]:
-        if type(self).scatter is not DataParallel.scatter:
-            if len(plan.slices) > 1:
-                raise ValueError(
-                    "max_size: waves need the built-in scatter, but scatter is overridden; "
-                    "drop max_size or the override"
-                )
-            return self.scatter(inputs, kwargs, [d for d, _, _ in wave])
-        chunks = [take(plan, start, length, device) for device, start, length in wave]
-        return [a for a, _ in chunks], [k for _, k in chunks]
-
-    def _parallel_apply(
-        self,
-        replicas: Sequence[nn.Module],
-        inputs: Sequence[Any],
-        kwargs: Sequence[Any],
-        devices: list[torch.device],
-        timings: list[Any],
-    ) -> list[Any]:
-        if type(self).parallel_apply is not DataParallel.parallel_apply:
-            # an override may call super().parallel_apply: it needs this wave's devices
-            self.__dict__["_wave_devices"] = devices
-            try:
-                return self.parallel_apply(replicas, inputs, kwargs)
-            finally:
-                self.__dict__.pop("_wave_devices", None)
-        return parallel_apply(replicas, inputs, kwargs, devices, timings=timings)
-
-    def _gather(
-        self, outputs: list[Any], sizes: list[int] | None, weights: list[float] | None = None
-    ) -> Any:
-        if type(self).gather is not DataParallel.gather:
-            return self.gather(outputs, self.output_device)
-        return gather(
-            outputs,
-            self.output_device,
-            self.dim,
-            chunk_sizes=sizes,
-            scalars=self.scalars,
-            scalar_weights=weights,
-        )
+    # -- checks -----------------------------------------------------------------------------------
 
     def _check_module_device(self) -> None:
         """The module must be on ``device_ids[0]``: checked in full on the first call, then
@@ -492,18 +437,6 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
                     return False
         stack.extend(c for c in m._modules.values() if c is not None)
     return True
-
-
-def _on_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with its tensors on ``device`` and markers unwrapped; itself when nothing moves
-    (the usual case: a flat tuple of tensors already there)."""
-    if type(obj) is tuple and all(type(a) is torch.Tensor and a.device == device for a in obj):
-        return obj
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == device else t.to(device, non_blocking=device.type == "cuda")
-
-    return map_tensors(obj, move)
 
 
 def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
