@@ -13,7 +13,6 @@ tensors to the target device and rebuilds only containers whose contents moved.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
 import operator
@@ -27,79 +26,80 @@ import torch
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
+from dataparallel.outputs import (
+    ARRAY as _ARRAY,
+)
+from dataparallel.outputs import (
+    ATOMS as _ATOMS,
+)
+from dataparallel.outputs import (
+    BOOL as _BOOL,
+)
+from dataparallel.outputs import (
+    DATACLASS as _DATACLASS,
+)
+from dataparallel.outputs import (
+    LIST as _LIST,
+)
+from dataparallel.outputs import (
+    MAPPING as _MAPPING,
+)
+from dataparallel.outputs import (
+    NAMEDTUPLE as _NAMEDTUPLE,
+)
+from dataparallel.outputs import (
+    NONE as _NONE,
+)
+from dataparallel.outputs import (
+    NUMBER as _NUMBER,
+)
+from dataparallel.outputs import (
+    OTHER as _OTHER,
+)
+from dataparallel.outputs import (
+    RECORD as _RECORD,
+)
+from dataparallel.outputs import (
+    STRUCTURES as _STRUCTURES,
+)
+from dataparallel.outputs import (
+    TENSOR as _TENSOR,
+)
+from dataparallel.outputs import (
+    TUPLE as _TUPLE,
+)
+from dataparallel.outputs import (
+    fields_of as _fields,
+)
+from dataparallel.outputs import (
+    fmt as _fmt,
+)
+from dataparallel.outputs import (
+    kind_of as _kind,
+)
+from dataparallel.outputs import (
+    rebuild_dataclass as _rebuild_dataclass,
+)
+from dataparallel.outputs import (
+    rebuild_mapping_like as _rebuild_mapping,
+)
+from dataparallel.outputs import (
+    rebuild_seq as _rebuild_seq,
+)
+from dataparallel.outputs import (
+    to_target as _to_target,
+)
 from dataparallel.packed import gather_packed, is_packed
-from dataparallel.tree import rebuild_mapping, rebuild_sequence
 
 __all__ = ["ScalarMode", "concat_batched", "first_batch_size", "gather", "gather_one"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
 _SCALAR_MODES = ("mean", "sum", "stack")
 
-# Kinds of values: a class is classified once, then found with one dict lookup.
-_NONE, _TENSOR, _ARRAY, _BOOL, _NUMBER, _LIST, _TUPLE, _NAMEDTUPLE = range(8)
-_MAPPING, _DATACLASS, _RECORD, _OTHER = range(8, 12)
-_STRUCTURES = frozenset((_LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _RECORD))
-# Exact types that hold no tensor and never move: per-sample lists of them (names, ids) are
-# checked and concatenated at C speed. Subclasses take the full walk.
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
-_KINDS: dict[type, int] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_MAX_CACHED = 4096  # classes made on the fly (a namedtuple per call) must not grow it forever
-
 # A path is a chain of (parent, accessor, key) tuples, None at the root; it is formatted only
 # for a message, so the walk pays nothing for it.
 _Path = Any
 _Ctx = Any  # a _Context; Any keeps the handler table simple to type
-
-
-def _classify(cls: type) -> int:
-    if cls is type(None):
-        return _NONE
-    if issubclass(cls, torch.Tensor):
-        return _TENSOR
-    if issubclass(cls, np.ndarray):
-        return _ARRAY
-    if issubclass(cls, (bool, np.bool_)):
-        return _BOOL
-    if issubclass(cls, numbers.Complex):  # int, float, complex, Fraction, numpy numbers
-        return _NUMBER
-    if issubclass(cls, torch.Size):  # a shape is a value, not a tuple of numbers to average
-        return _OTHER
-    if issubclass(cls, list):
-        return _LIST
-    if issubclass(cls, tuple):
-        return _NAMEDTUPLE if hasattr(cls, "_fields") else _TUPLE
-    is_dataclass = dataclasses.is_dataclass(cls)
-    if issubclass(cls, Mapping):
-        return _RECORD if is_dataclass else _MAPPING
-    return _DATACLASS if is_dataclass else _OTHER
-
-
-def _kind(obj: Any) -> int:
-    cls = type(obj)
-    kind = _KINDS.get(cls)
-    if kind is None:
-        if len(_KINDS) >= _MAX_CACHED:
-            _KINDS.clear()
-        kind = _KINDS[cls] = _classify(cls)
-    return kind
-
-
-def _fields(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        if len(_FIELDS) >= _MAX_CACHED:
-            _FIELDS.clear()
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
-
-
-def _fmt(path: _Path) -> str:
-    parts: list[str] = []
-    while path is not None:
-        path, accessor, key = path
-        parts.append(f".{key}" if accessor == "." else f"[{key!r}]")
-    return "output" + "".join(reversed(parts))
 
 
 class _Context:
@@ -579,99 +579,3 @@ _HANDLERS: tuple[Callable[[list[Any], _Path, _Ctx], Any], ...] = (
     _gather_mappings,  # _RECORD
     _gather_others,  # _OTHER
 )
-
-
-# ---------------------------------------------------------------- moving and rebuilding
-
-
-def _to_target(obj: Any, target: torch.device, path: _Path) -> Any:
-    """``obj`` with every tensor in it moved to ``target``; unchanged containers are reused."""
-    kind = _kind(obj)
-    if kind == _TENSOR:
-        return obj.to(target)
-    if kind == _NAMEDTUPLE and is_packed(obj):
-        return obj.to(target)  # keeps batch_sizes on the CPU, as torch requires
-    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
-        items = [_to_target(item, target, path) for item in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return _rebuild_seq(obj, items, path)
-    if kind in (_MAPPING, _RECORD):
-        data = {k: _to_target(v, target, path) for k, v in obj.items()}
-        names = [n for n in _fields(type(obj)) if n not in data] if kind == _RECORD else []
-        extra = [(n, _to_target(getattr(obj, n), target, path)) for n in names]
-        if all(v is obj[k] for k, v in data.items()) and all(
-            v is getattr(obj, n) for n, v in extra
-        ):
-            return obj
-        if kind == _RECORD:
-            return _rebuild_dataclass(obj, extra, data, path)
-        return _rebuild_mapping(obj, data, path)
-    if kind == _DATACLASS:
-        fields = [(n, getattr(obj, n)) for n in _fields(type(obj))]
-        moved = [(n, _to_target(v, target, path)) for n, v in fields]
-        if all(a[1] is b[1] for a, b in zip(fields, moved, strict=True)):
-            return obj
-        return _rebuild_dataclass(obj, moved)
-    return obj
-
-
-def _cannot_rebuild(first: Any, path: _Path, exc: Exception) -> TypeError:
-    return TypeError(
-        f"{_fmt(path)}: cannot rebuild a {type(first).__name__} from the gathered items "
-        f"({exc}); expected a class that accepts its items like its base class does. Return a "
-        f"plain list, tuple or dict, or use gather=False"
-    )
-
-
-def _rebuild_seq(first: Any, items: list[Any], path: _Path) -> Any:
-    cls = type(first)
-    if cls is list or cls is tuple:
-        return items if cls is list else tuple(items)
-    try:  # a namedtuple takes its fields positionally; other subclasses keep their attributes
-        if hasattr(cls, "_fields"):
-            try:
-                return cls(*items)
-            except TypeError:  # its own __new__: built as _make does
-                pass
-        return rebuild_sequence(first, items)
-    except Exception as exc:
-        raise _cannot_rebuild(first, path, exc) from exc
-
-
-def _rebuild_mapping(first: Mapping[Any, Any], data: dict[Any, Any], path: _Path) -> Any:
-    if type(first) is dict:
-        return data
-    try:
-        return rebuild_mapping(first, data)
-    except Exception as exc:
-        raise _cannot_rebuild(first, path, exc) from exc
-
-
-def _rebuild_dataclass(
-    first: Any,
-    fields: list[tuple[str, Any]],
-    items: dict[Any, Any] | None = None,
-    path: _Path = None,
-) -> Any:
-    """A copy of ``first`` with new fields (and, for a model-output class, new items).
-
-    copy.copy skips __init__ (init=False fields, __post_init__); object.__setattr__ passes
-    frozen dataclasses.
-    """
-    out = copy.copy(first)
-    for name, value in fields:
-        object.__setattr__(out, name, value)
-    if items:
-        names = _fields(type(first))
-        try:
-            for key, value in items.items():
-                if key in names:
-                    object.__setattr__(out, key, value)
-                if isinstance(out, dict):
-                    dict.__setitem__(out, key, value)  # past overrides such as ModelOutput's
-                else:
-                    out[key] = value
-        except Exception as exc:
-            raise _cannot_rebuild(first, path, exc) from exc
-    return out

@@ -36,6 +36,7 @@ from dataparallel.plan_model import (
     StructNode,
     Vote,
 )
+from dataparallel.plan_text import voters_phrase, warning_text
 from dataparallel.records import has_to
 from dataparallel.tree import (
     LIST,
@@ -419,53 +420,6 @@ class _Compiler:
         return PerSampleNode(marker.obj, self.cast)
 
 
-def _and(names: list[str]) -> str:
-    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def _warning_text(
-    batch: int, how: str, voters: str, votes: list[Vote], mismatched: list[tuple[str, str]]
-) -> str:
-    """The broadcast warning: what was found, then the fixes, the likeliest reading first.
-
-    An input whose size is not ``B`` is most often shared on purpose (a batch-1 prompt, a
-    lookup table), so the first fix offered is to mark that very input ``dp.Shared``, which
-    silences the warning; the other reading (the input is batched and ``B`` is wrong) follows.
-    """
-    found = "; ".join(f"{path} has {what}" for path, what in mismatched)
-    paths = [path for path, _ in mismatched]
-    one = len(paths) == 1
-    these = _and(paths)
-    wrong = []
-    if how.startswith("vote"):
-        names = sorted(
-            {v.path for v in votes if v.size == batch}, key=[v.path for v in votes].index
-        )
-        wrong.append(
-            f"wrap {_and(names)} in dp.Shared(...) if "
-            f"{'it is' if len(names) == 1 else 'they are'} not batched"
-        )
-    wrong.append("pass the right batch_size=N")
-    split = these if one else f"the batched one of {these}"
-    wrong.append(f"wrap {split} in dp.Split(...) to make its size the batch size")
-    return (
-        f"{found}, not the batch size {batch} ({voters}), so {'it is' if one else 'they are'} "
-        f"broadcast whole to every device. To fix: wrap {these} in dp.Shared(...) if "
-        f"{'it is' if one else 'they are'} meant to be shared (this also silences the "
-        f"warning); if {'it is' if one else 'they are'} batched instead, the batch size is "
-        f"wrong: {', or '.join(wrong)}. dp.plan(...) or DataParallel.explain(...) shows "
-        f"every vote."
-    )
-
-
-def _voters_phrase(batch: int, how: str, votes: list[Vote]) -> str:
-    if how.startswith("vote"):
-        names = [v.path for v in votes if v.size == batch]
-        return f"voted by {', '.join(names)}"
-    return f"set by {how}"
-
-
 def vote_batch_size(inputs: tuple[Any, ...], kwargs: Mapping[str, Any], dim: int) -> int | None:
     """The batch size the rules give a call, by the vote alone, or ``None`` when the vote is
     not the whole story (a ``dp.Split`` decides, or an iterator is passed): the fast path of a
@@ -534,7 +488,7 @@ def build_plan(
         )
 
     def voters() -> str:
-        return _voters_phrase(batch, how, collector.votes)
+        return voters_phrase(batch, how, collector.votes)
 
     compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None, lost_ties=lost_ties)
     if is_tuple:
@@ -579,9 +533,7 @@ def build_plan(
     used = [i for i, total in enumerate(totals) if total]
     warnings = list(compiler.notes)
     if compiler.mismatched:
-        warnings.insert(
-            0, _warning_text(batch, how, voters(), collector.votes, compiler.mismatched)
-        )
+        warnings.insert(0, warning_text(batch, how, voters(), collector.votes, compiler.mismatched))
     return Plan(
         batch_size=batch,
         devices=[devices[i] for i in used],
