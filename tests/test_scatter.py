@@ -143,10 +143,12 @@ def test_shared_inside_a_per_sample_list_is_moved_but_not_cast() -> None:
     chunks = dp.scatter((items, torch.zeros(2, 3)), CPU2, dtype=torch.float16)
     assert [c[0][0].dtype for c in chunks] == [torch.float32, torch.float32]
     assert all(c[1].dtype == torch.float16 for c in chunks)
-    # and inside a broadcast list (another length than the batch)
-    chunks = dp.scatter(
-        ([dp.Shared(torch.zeros(1))] * 3, torch.zeros(2, 3)), CPU2, dtype=torch.half
-    )
+    # and inside a broadcast list (another length than the batch; 3 votes against 2, so the
+    # tensor is the one broadcast, with the warning)
+    with pytest.warns(UserWarning, match=r"args\[1\] has size 2 along dim 0"):
+        chunks = dp.scatter(
+            ([dp.Shared(torch.zeros(1))] * 3, torch.zeros(2, 3)), CPU2, dtype=torch.half
+        )
     assert chunks[0][0][0].dtype == torch.float32
 
 

@@ -84,6 +84,30 @@ def test_warning_points_at_the_users_line() -> None:
     assert warning.filename == __file__
 
 
+def test_warnings_of_the_free_functions_point_at_the_users_line() -> None:
+    # scatter warns from its plan, gather from inside its walk: each at its own depth, and
+    # both must name this file, not a frame of dataparallel or of pytest.
+    calls = [
+        lambda: dp.scatter((torch.randn(4, 2), torch.randn(1, 2)), ["cpu", "cpu"]),
+        lambda: dp.scatter_kwargs((torch.randn(4, 2),), {"t": torch.randn(1, 2)}, ["cpu", "cpu"]),
+        # an unbatched output that differs per replica, deep in a dict: concatenated
+        lambda: dp.gather(
+            [
+                {"y": torch.zeros(3, 2), "attn": torch.zeros(4, 4)},
+                {"y": torch.zeros(2, 2), "attn": torch.ones(4, 4)},
+            ],
+            "cpu",
+        ),
+        lambda: dp.gather([torch.tensor(1), torch.tensor(4)], "cpu", chunk_sizes=[2, 1]),
+    ]
+    for call in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        assert caught, call
+        assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+
+
 class Echo(nn.Module):
     """Returns what it was given, so a test sees exactly what reached the module."""
 

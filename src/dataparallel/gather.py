@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,69 +26,30 @@ from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
 from dataparallel.outputs import (
-    ARRAY as _ARRAY,
-)
-from dataparallel.outputs import (
-    ATOMS as _ATOMS,
-)
-from dataparallel.outputs import (
-    BOOL as _BOOL,
-)
-from dataparallel.outputs import (
-    DATACLASS as _DATACLASS,
-)
-from dataparallel.outputs import (
-    LIST as _LIST,
-)
-from dataparallel.outputs import (
-    MAPPING as _MAPPING,
-)
-from dataparallel.outputs import (
-    NAMEDTUPLE as _NAMEDTUPLE,
-)
-from dataparallel.outputs import (
-    NONE as _NONE,
-)
-from dataparallel.outputs import (
-    NUMBER as _NUMBER,
-)
-from dataparallel.outputs import (
-    OTHER as _OTHER,
-)
-from dataparallel.outputs import (
-    RECORD as _RECORD,
-)
-from dataparallel.outputs import (
-    STRUCTURES as _STRUCTURES,
-)
-from dataparallel.outputs import (
-    TENSOR as _TENSOR,
-)
-from dataparallel.outputs import (
-    TUPLE as _TUPLE,
-)
-from dataparallel.outputs import (
-    fields_of as _fields,
-)
-from dataparallel.outputs import (
-    fmt as _fmt,
-)
-from dataparallel.outputs import (
-    kind_of as _kind,
-)
-from dataparallel.outputs import (
-    rebuild_dataclass as _rebuild_dataclass,
-)
-from dataparallel.outputs import (
-    rebuild_mapping_like as _rebuild_mapping,
-)
-from dataparallel.outputs import (
-    rebuild_seq as _rebuild_seq,
-)
-from dataparallel.outputs import (
-    to_target as _to_target,
+    ARRAY,
+    ATOMS,
+    BOOL,
+    DATACLASS,
+    LIST,
+    MAPPING,
+    NAMEDTUPLE,
+    NONE,
+    NUMBER,
+    OTHER,
+    RECORD,
+    STRUCTURES,
+    TENSOR,
+    TUPLE,
+    fields_of,
+    fmt,
+    kind_of,
+    rebuild_dataclass,
+    rebuild_mapping_like,
+    rebuild_seq,
+    to_target,
 )
 from dataparallel.packed import gather_packed, is_packed
+from dataparallel.warn import warn_user
 
 __all__ = ["ScalarMode", "concat_batched", "first_batch_size", "gather", "gather_one"]
 
@@ -192,7 +152,7 @@ def gather(
         if len(values) == 1 and scalars != "stack":
             # One replica: every rule gives its output back, tensors moved. "stack" still turns
             # scalars into vectors, so it takes the full walk.
-            return _to_target(values[0], target, None)
+            return to_target(values[0], target, None)
         if sizes is None:
             found = [first_batch_size(v, dim) for v in values]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
@@ -212,7 +172,7 @@ def gather_one(output: Any, target: torch.device) -> Any:
     them at construction), without ``"stack"``: one replica's output with its tensors moved
     to ``target`` (itself when nothing moves)."""
     try:
-        return _to_target(output, target, None)
+        return to_target(output, target, None)
     except RecursionError:
         pass
     return gather([output], target)  # raises the error that names the problem
@@ -275,16 +235,16 @@ def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
     """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
-    kind = _kind(obj)
-    if kind in (_TENSOR, _ARRAY):
+    kind = kind_of(obj)
+    if kind in (TENSOR, ARRAY):
         return int(obj.shape[dim]) if -obj.ndim <= dim < obj.ndim else None
     children: Iterable[Any] = ()
-    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+    if kind in (LIST, TUPLE, NAMEDTUPLE):
         children = obj
-    elif kind in (_MAPPING, _RECORD):
+    elif kind in (MAPPING, RECORD):
         children = obj.values()
-    elif kind == _DATACLASS:
-        children = (getattr(obj, name) for name in _fields(type(obj)))
+    elif kind == DATACLASS:
+        children = (getattr(obj, name) for name in fields_of(type(obj)))
     for child in children:
         size = first_batch_size(child, dim)
         if size is not None:
@@ -297,12 +257,12 @@ def first_batch_size(obj: Any, dim: int) -> int | None:
 
 def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     cls = type(values[0])
-    kind = _kind(values[0])
+    kind = kind_of(values[0])
     for value in values:
         if type(value) is not cls:
-            if _kind(value) != kind:
+            if kind_of(value) != kind:
                 return _gather_mixed(values, path, ctx)
-            if kind in _STRUCTURES:  # a dict and an OrderedDict, two namedtuple classes
+            if kind in STRUCTURES:  # a dict and an OrderedDict, two namedtuple classes
                 raise _mismatch(path, "type", [type(v).__name__ for v in values])
     return _HANDLERS[kind](values, path, ctx)
 
@@ -318,14 +278,14 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if _arrays_equal(values):
             return values[0]
         if ctx.sizes is not None:
-            check_chunk_sizes_of(values, lambda: _fmt(path), ctx.dim, ctx.sizes)
+            check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
         _warn_concat(values, path, ctx)
     try:
         if is_tensor:
             return torch.cat(values, ctx.dim)
         return np.concatenate(values, axis=ctx.dim)
     except (RuntimeError, ValueError) as exc:
-        raise concat_error(values, _fmt(path), ctx.dim, ctx.sizes) from exc
+        raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
 
 
 def _batched(values: list[Any], ctx: _Ctx) -> bool:
@@ -361,20 +321,18 @@ def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     if not ok:
         listing = ", ".join(f"replica {i} has shape {s}" for i, s in enumerate(shapes))
         raise ValueError(
-            f"{_fmt(path)}: cannot concatenate the replicas' outputs along dim {dim}: "
+            f"{fmt(path)}: cannot concatenate the replicas' outputs along dim {dim}: "
             f"{listing}; expected the same shape on every replica except along dim {dim}. "
             f"Return the same value on every replica, a batch-sized one, or use gather=False "
             f"to handle the per-replica outputs yourself"
         )
     sizes = "unknown" if ctx.sizes is None else list(ctx.sizes)
-    warnings.warn(
-        f"{_fmt(path)}: the replicas returned different values of shapes {shapes}, whose size "
+    warn_user(
+        f"{fmt(path)}: the replicas returned different values of shapes {shapes}, whose size "
         f"along dim {dim} is not their chunk size (chunk sizes: {sizes}); concatenated them "
         f"along dim {dim}, as torch.nn.DataParallel does. If this output is not batched, "
         f"return the same value on every replica; if it is, give it the chunk size along dim "
-        f"{dim}; or use gather=False to handle the per-replica outputs yourself",
-        UserWarning,
-        stacklevel=3,
+        f"{dim}; or use gather=False to handle the per-replica outputs yourself"
     )
 
 
@@ -394,7 +352,7 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if not any(t.is_floating_point() or t.is_complex() for t in tensors):
             if _arrays_equal(tensors):
                 return tensors[0]
-            warn_counts(_fmt(path))  # integer tensors: counts, as for Python ints
+            warn_counts(fmt(path))  # integer tensors: counts, as for Python ints
             return _sum(tensors)
         return _tensor_mean(tensors, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
@@ -403,7 +361,7 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if _all_equal(plain):
         return values[0]  # a constant (num_classes=10) keeps its type
     if all(isinstance(v, numbers.Integral) for v in plain):
-        warn_counts(_fmt(path))
+        warn_counts(fmt(path))
         return _sum(plain)
     return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
 
@@ -453,11 +411,11 @@ def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
 
 
 def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    kinds = [_kind(v) for v in values]
-    if all(k in (_NONE, _OTHER) for k in kinds):
+    kinds = [kind_of(v) for v in values]
+    if all(k in (NONE, OTHER) for k in kinds):
         return _gather_others(values, path, ctx)
     if all(
-        k in (_NUMBER, _BOOL) or (k in (_TENSOR, _ARRAY) and v.ndim == 0)
+        k in (NUMBER, BOOL) or (k in (TENSOR, ARRAY) and v.ndim == 0)
         for k, v in zip(kinds, values, strict=True)
     ):
         return _gather_scalars(values, path, ctx)  # e.g. a loss that is 0.0 on one replica
@@ -467,7 +425,7 @@ def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
 def _mismatch(path: _Path, what: str, found: list[Any]) -> ValueError:
     listing = ", ".join(f"replica {i} has {item}" for i, item in enumerate(found))
     return ValueError(
-        f"{_fmt(path)}: replicas disagree on the {what}: {listing}; expected the same "
+        f"{fmt(path)}: replicas disagree on the {what}: {listing}; expected the same "
         f"structure from every replica. Make forward return the same {what} on every replica, "
         f"or use gather=False to handle the per-replica outputs yourself"
     )
@@ -482,7 +440,7 @@ def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if any(len(v) != n for v in values):
         return _concat_lists(values, path, ctx)
     items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
-    return _rebuild_seq(first, items, path)
+    return rebuild_seq(first, items, path)
 
 
 def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
@@ -490,7 +448,7 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
         return False
     for value, size in zip(values, sizes, strict=True):
         types = set(map(type, value))
-        if types <= _ATOMS:
+        if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
         if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
             return False  # 0-dim tensors are scalars (losses, metrics): the list is structure
@@ -513,14 +471,14 @@ def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     items: list[Any] = []
     for value in values:
         types = set(map(type, value))
-        if types <= _ATOMS:
+        if types <= ATOMS:
             items.extend(value)  # nothing to move
         elif types == {torch.Tensor}:
-            # What _to_target does for a tensor, minus the call when it is already there.
+            # What to_target does for a tensor, minus the call when it is already there.
             items.extend([t if t.device == target else t.to(target) for t in value])
         else:
-            items.extend([_to_target(item, target, path) for item in value])
-    return _rebuild_seq(values[0], items, path)
+            items.extend([to_target(item, target, path) for item in value])
+    return rebuild_seq(values[0], items, path)
 
 
 def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -536,7 +494,7 @@ def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)
         for i in range(n)
     ]
-    return _rebuild_seq(first, items, path)
+    return rebuild_seq(first, items, path)
 
 
 def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -547,9 +505,9 @@ def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         raise _mismatch(path, "keys", [list(v.keys()) for v in values])
     data = {k: _gather([v[k] for v in values], (path, "[", k), ctx) for k in keys}
     if not dataclasses.is_dataclass(first):
-        return _rebuild_mapping(first, data, path)
-    extra = _gather_fields(values, path, ctx, [n for n in _fields(type(first)) if n not in data])
-    return _rebuild_dataclass(first, extra, data, path)
+        return rebuild_mapping_like(first, data, path)
+    extra = _gather_fields(values, path, ctx, [n for n in fields_of(type(first)) if n not in data])
+    return rebuild_dataclass(first, extra, data, path)
 
 
 def _gather_fields(
@@ -560,22 +518,22 @@ def _gather_fields(
 
 def _gather_dataclasses(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 5 for dataclasses (frozen ones and init=False fields included)."""
-    return _rebuild_dataclass(
-        values[0], _gather_fields(values, path, ctx, _fields(type(values[0])))
+    return rebuild_dataclass(
+        values[0], _gather_fields(values, path, ctx, fields_of(type(values[0])))
     )
 
 
 _HANDLERS: tuple[Callable[[list[Any], _Path, _Ctx], Any], ...] = (
-    _gather_others,  # _NONE
-    _gather_arrays,  # _TENSOR
-    _gather_arrays,  # _ARRAY
-    _gather_scalars,  # _BOOL
-    _gather_scalars,  # _NUMBER
-    _gather_lists,  # _LIST
-    _gather_tuples,  # _TUPLE
-    _gather_tuples,  # _NAMEDTUPLE
-    _gather_mappings,  # _MAPPING
-    _gather_dataclasses,  # _DATACLASS
-    _gather_mappings,  # _RECORD
-    _gather_others,  # _OTHER
+    _gather_others,  # NONE
+    _gather_arrays,  # TENSOR
+    _gather_arrays,  # ARRAY
+    _gather_scalars,  # BOOL
+    _gather_scalars,  # NUMBER
+    _gather_lists,  # LIST
+    _gather_tuples,  # TUPLE
+    _gather_tuples,  # NAMEDTUPLE
+    _gather_mappings,  # MAPPING
+    _gather_dataclasses,  # DATACLASS
+    _gather_mappings,  # RECORD
+    _gather_others,  # OTHER
 )

@@ -9,7 +9,6 @@ miss), so the hot path pays nothing for them.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from dataparallel.tree import MAX_DEPTH, describe, rebuild_mapping
+from dataparallel.warn import warn_user
 
 __all__ = [
     "check_batch_size_used",
@@ -139,13 +139,11 @@ def check_chunk_sizes_of(
 
 def warn_counts(where: str) -> None:
     """Say that differing integer scalars were summed under ``scalars="mean"``."""
-    warnings.warn(
+    warn_user(
         f"{where}: an integer scalar that differs across replicas is a count, so it is summed "
         f"(what one device returns), not averaged into a float; pass scalars='sum' to say so "
         f"and silence this, or return a float (or a float tensor) to get the chunk-weighted "
-        f"mean",
-        UserWarning,
-        stacklevel=4,
+        f"mean"
     )
 
 

@@ -8,7 +8,6 @@ Every step is differentiable: tensors are cut with ``narrow`` and moved with ``t
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +27,7 @@ from dataparallel.plan_model import (
 )
 from dataparallel.records import move_item
 from dataparallel.tree import LIST, TooDeep, map_tensors, rebuild
+from dataparallel.warn import warn_user
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
 
@@ -127,10 +127,10 @@ def take(plan: Plan, start: int, length: int, device: torch.device) -> tuple[Any
     return args, kwargs
 
 
-def emit_warnings(plan: Plan, stacklevel: int = 3) -> None:
+def emit_warnings(plan: Plan) -> None:
     """Warn with the plan's messages (Python's filter shows each once per call site)."""
     for message in plan.warnings:
-        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+        warn_user(message)
 
 
 def _one_round(plan: Plan) -> list[tuple[torch.device, int, int]]:

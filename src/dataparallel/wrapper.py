@@ -9,10 +9,7 @@ a gather that knows each replica's chunk size.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -35,6 +32,7 @@ from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
+from dataparallel.warn import warn_user
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
 
@@ -377,24 +375,8 @@ class DataParallel(nn.Module):
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:
             self._warned.add(plan.warning_key)
-            level = _caller_stacklevel()
             for message in plan.warnings:
-                warnings.warn(message, UserWarning, stacklevel=level)
-
-
-# Frames in these folders are ours or torch's module machinery: a warning skips them, so it
-# points at the user's line that called the model.
-_INTERNAL = (os.path.dirname(__file__), os.path.dirname(nn.Module.__call__.__code__.co_filename))
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside dataparallel and torch's ``nn.Module``."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
+                warn_user(message)
 
 
 def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
