@@ -206,9 +206,7 @@ def take_whole(
     ``device`` and markers unwrapped, themselves where nothing moves; ``None`` for arguments
     nested too deep (the full plan names them)."""
 
-    def move(t: _Tensor) -> _Tensor:
-        return t if t.device == device else t.to(device, non_blocking=device.type == "cuda")
-
+    move = _mover(device, None)
     try:
         return map_tensors(inputs, move), map_tensors(kwargs, move) if kwargs else kwargs
     except TooDeep:
