@@ -203,8 +203,8 @@ def take_whole(
     inputs: tuple[Any, ...], kwargs: Mapping[str, Any], device: torch.device
 ) -> tuple[Any, Any] | None:
     """The one chunk of a :func:`whole_batch` plan: the arguments with their tensors on
-    ``device`` and markers unwrapped, themselves where nothing moves; ``None`` for arguments
-    nested too deep (the full plan names them)."""
+    ``device`` (a tensor already there is passed as it is; containers are rebuilt) and markers
+    unwrapped; ``None`` for arguments nested too deep (the full plan names them)."""
 
     move = _mover(device, None)
     try:
