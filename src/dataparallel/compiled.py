@@ -15,10 +15,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["check_not_compiled"]
+__all__ = ["check_not_compiled", "compiled_class"]
 
 
-def _compiled_class() -> type | None:
+def compiled_class() -> type | None:
+    """``torch.compile``'s module wrapper class (``OptimizedModule``), where torch has one."""
     dynamo = getattr(torch, "_dynamo", None)
     eval_frame = getattr(dynamo, "eval_frame", None) if dynamo is not None else None
     return getattr(eval_frame, "OptimizedModule", None)
@@ -33,7 +34,7 @@ def check_not_compiled(module: nn.Module, devices: Sequence[torch.device]) -> No
     """
     if len(devices) < 2:
         return  # one replica is the module itself: its compiled forward is right
-    compiled = _compiled_class()
+    compiled = compiled_class()
     if compiled is not None and isinstance(module, compiled):
         found = "a torch.compile(...) result (OptimizedModule)"
     elif module.__dict__.get("_compiled_call_impl") is not None:

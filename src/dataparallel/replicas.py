@@ -1,25 +1,38 @@
 """The replicas of one module on one device tuple: built once, then kept in step with it.
 
-:class:`Replicas` has three jobs, each in its own part below: build the replica objects for a
-structure (one per submodule per device, tied parameters once); sync the tensors each call
-(parameters shared or copied, private buffer copies re-copied); and refill the replicas'
-dictionaries from their sources' (attributes, training flags, hooks), which the cache asks for
-only after :mod:`dataparallel.mutations` has counted a change since the last sync.
+:class:`Replicas` has four jobs, each in its own part below: build the replica objects for a
+structure (one per submodule per device, tied parameters once); tell on each call what changed
+(:class:`dataparallel.fingerprint.Snapshot`, local to this tree and complete); sync the tensors
+each call (parameters shared or copied, private buffer copies); and refill the dictionaries of
+the replicas whose source module was written (attributes, training flags, hooks).
 
 What is synced, and why:
 
-- plain attributes and training flags: each replica's ``__dict__`` is refilled from its source
-  module's (so ``model.scale = 3.0`` or ``model.eval()`` is seen at the next call);
+- plain attributes and training flags: a replica's ``__dict__`` is refilled from its source
+  module's whenever the snapshot says that module was written (so ``model.scale = 3.0``,
+  ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call);
 - parameters: a replica on a parameter's own device uses the parameter itself (no copy, the
-  gradient lands on it directly). On another device, under autograd (grad enabled and some
-  parameter requires grad), every call makes fresh differentiable copies (torch's
-  ``Broadcast`` between CUDA devices, ``param.to(device)`` otherwise), so gradients flow back
-  to the module's own parameters. In inference the copies are refreshed in place, in one fused
-  copy per call (no cheap test can tell a parameter changed: fused optimizers and ``p.data``
+  gradient lands on it directly). On another device, with grad enabled, every call makes fresh
+  copies (differentiable ones, torch's ``Broadcast`` between CUDA devices and
+  ``param.to(device)`` otherwise, so gradients flow back to the module's own parameters). With
+  grad disabled the copies made by an earlier call without grad are refreshed in place, in one
+  fused copy (no cheap test can tell a parameter changed: fused optimizers and ``p.data``
   updates do not bump ``_version``);
 - buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
   running statistics update exactly as in torch, from replica 0's chunk; every other replica
-  has private copies, re-synced with ``copy_`` each call, so no two threads write one tensor.
+  has private copies, made fresh on every call with grad enabled and refreshed in place only
+  between calls without grad.
+
+Copy on write: a tensor that an autograd graph may have saved is never overwritten. Only calls
+with grad enabled build graphs, and they always get new copies; the copies refreshed in place
+were made, and have only been used, by calls without grad (in the same grad mode: inference
+tensors stay inference tensors). So two calls then one backward, ``max_size`` waves, BatchNorm
+in ``eval()`` and buffers used as factors all differentiate what their own call saw.
+
+Compiled submodules: ``torch.compile(child)`` (an ``OptimizedModule``) is looked through, and
+a child compiled in place (``child.compile()``) loses its compiled call on the replicas: each
+replica runs its own eager copy, replica 0 (the module itself) the compiled one, with a warning
+once per replica set. Nothing here writes the user's modules.
 """
 
 from __future__ import annotations
@@ -31,7 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.fingerprint import fingerprint, signature
+from dataparallel.compiled import check_not_compiled, compiled_class
+from dataparallel.fingerprint import Snapshot, fingerprint, signature
+from dataparallel.warn import warn_user
 
 __all__ = ["Replicas"]
 
@@ -51,10 +66,12 @@ class Replicas:
     """The replica objects of one module on one device tuple, and what re-syncs them.
 
     Holds the root module only weakly (it is the side table's key); every other source module,
-    parameter and buffer strongly, which keeps the fingerprint's ids valid.
+    parameter and buffer strongly, which keeps the fingerprint's ids valid. Not thread-safe: a
+    wrapper serialises its calls, and ``dp.replicate``'s callers share one set per module.
     """
 
     def __init__(self, root: nn.Module, devices: tuple[torch.device, ...]) -> None:
+        check_not_compiled(root, devices)
         modules, sig = fingerprint(root)
         self.sig = sig
         self.sources: list[nn.Module | None] = [None, *modules[1:]]
@@ -62,6 +79,22 @@ class Replicas:
         self.keys = [_key(d) for d in devices]
         index = {id(m): i for i, m in enumerate(modules)}
         n = len(devices)
+        self.fills = 0  # how many times the dictionaries were refilled (the table re-checks)
+
+        # torch.compile(child) wraps the child in an OptimizedModule whose compiled forward is
+        # bound to the user's child: the replicas look through it to the child's own replica.
+        optimized = compiled_class()
+        self.through = {
+            i: index[id(m.__dict__["_modules"]["_orig_mod"])]
+            for i, m in enumerate(modules)
+            if optimized is not None
+            and isinstance(m, optimized)
+            and isinstance(m.__dict__["_modules"].get("_orig_mod"), nn.Module)
+        }
+        self.compiled_seen = False  # whether the eager-replica warning was given
+        if self.through and n > 1:
+            inner = modules[next(iter(self.through.values()))]
+            self._warn_compiled(f"torch.compile({type(inner).__name__})")
 
         # Parameters and buffers, deduplicated (tied weights get one copy per device).
         self.params: list[nn.Parameter] = []
@@ -98,15 +131,17 @@ class Replicas:
             or type(m).__setattr__ is not nn.Module.__setattr__
             for m in modules
         ]
-        # Whether every change to this tree moves mutations.epoch(): then, while it holds
-        # still, a call refreshes only tensors (see refresh). A module with its own
-        # __setattr__ or replication hook may change without a count: such trees re-check
-        # their structure and refill every replica's __dict__ on every call.
-        self.trusted = not any(self.custom)
-        # The epoch read before the last full sync (set by the cache; None: never trusted).
-        self.epoch: int | None = None
-        # Raises torch's own error for lazy modules, as torch.nn.parallel.replicate does.
-        self.replicas = [[m._replicate_for_data_parallel() for m in modules] for _ in range(n)]
+        # Raises torch's own error for lazy modules, as torch.nn.parallel.replicate does. An
+        # OptimizedModule gets no replica of its own: its slot holds its child's.
+        self.replicas: list[list[nn.Module]] = []
+        for _ in range(n):
+            row = [
+                m if i in self.through else m._replicate_for_data_parallel()
+                for i, m in enumerate(modules)
+            ]
+            for i, inner in self.through.items():
+                row[i] = row[inner]
+            self.replicas.append(row)
         self.children: list[list[dict[str, nn.Module | None]]] = [
             [
                 {
@@ -117,35 +152,34 @@ class Replicas:
             ]
             for j in range(n)
         ]
-        # Per replica, per module: its own forward-hook and forward-pre-hook tables.
+        # Per replica, per module: its own hook tables (see _own_hooks).
         self.hook_tables: list[list[list[Any]]] = [
-            [[OrderedDict(), OrderedDict()] for _ in modules] for _ in range(n)
+            [[None] * len(_HOOK_TABLES) for _ in modules] for _ in range(n)
         ]
         # Private buffers: None where replica j uses the module's own tensor (replica 0 on
-        # the buffer's device), else a copy on replica j's device.
-        self.private: list[list[torch.Tensor | None]] = []
-        for j, device in enumerate(devices):
-            row: list[torch.Tensor | None] = []
-            for b in self.buffers:
-                if j == 0 and _key(b.device) == self.keys[0]:
-                    row.append(None)
-                else:
-                    with torch.no_grad():
-                        row.append(b.detach().to(device, copy=True))
-            self.private.append(row)
+        # the buffer's device), else a copy on replica j's device, made by _sync_buffers.
+        self.private: list[list[torch.Tensor | None]] = [
+            [
+                None if j == 0 and _key(b.device) == self.keys[0] else _NOT_YET
+                for b in self.buffers
+            ]
+            for j in range(n)
+        ]
         # Per replica: the buffer slots it holds a private copy of (fixed per replica set).
         self.private_slots: list[list[int]] = [
             [i for i, mine in enumerate(row) if mine is not None] for row in self.private
         ]
+        # The grad mode each private copy may be refreshed in place under (None: never, it was
+        # made by a call with grad enabled, whose graph may hold it).
+        self.private_mode: list[list[str | None]] = [[None] * len(self.buffers) for _ in range(n)]
         # Parameter copies per target device key: tensors aligned with self.params (None where
-        # the parameter lives on that device).
+        # the parameter lives on that device), and the grad mode each may be refreshed in
+        # place under (None: never).
         self.copies: dict[_Key, list[torch.Tensor | None]] = {}
-        # Whether each copy is this set's own tensor (refreshed in place in inference) rather
-        # than one bound to an autograd graph (replaced on the next call).
-        self.copy_keys: dict[_Key, list[bool]] = {}
+        self.copy_mode: dict[_Key, list[str | None]] = {}
         for k in dict.fromkeys(self.keys):
             self.copies[k] = [None] * len(self.params)
-            self.copy_keys[k] = [False] * len(self.params)
+            self.copy_mode[k] = [None] * len(self.params)
         # Devices are part of the fingerprint, so which copies exist is fixed per set.
         self.param_keys = [_key(p.device) for p in self.params]
         self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
@@ -155,7 +189,7 @@ class Replicas:
         self.own = all(k == self.keys[0] for k in self.param_keys) and all(
             _key(b.device) == self.keys[0] for b in self.buffers
         )
-        # Modules re-synced by the fast path of sync, and the (replica, module) pairs that
+        # Modules re-synced by the fast path of _fill, and the (replica, module) pairs that
         # need the full one.
         self.simple = [
             not (self.custom[i] or self.param_slots[i] or self.buffer_slots[i])
@@ -179,15 +213,39 @@ class Replicas:
                     tuple(slot for _, slot in self.buffer_slots[i]),
                 )
                 for i, ok in enumerate(self.simple)
-                if not ok
+                if not ok and i not in self.through
             ]
             for j in range(n)
         ]
 
-        # The module's buffers as of the last sync, and per replica the parameter tensors its
-        # dictionaries hold (None: none yet).
+        # The module's buffers as of the last sync; per replica the parameter and buffer
+        # tensors its dictionaries hold (None: to be installed); what the last fill saw.
         self.current: list[torch.Tensor] = list(self.buffers)
-        self.installed: list[list[torch.Tensor] | None] = [None] * n
+        self.installed: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * n
+        self.snapshot: Snapshot | None = None
+
+    # -- what changed ---------------------------------------------------------------------------
+
+    def current_replicas(self, root: nn.Module) -> list[nn.Module] | None:
+        """The replicas, in line with ``root`` now; ``None`` when its structure changed (the
+        caller builds a new set).
+
+        Nothing written since the last call: tensors only. Some module written: its replicas'
+        dictionaries are refilled (all of them on the first call).
+        """
+        snapshot = self.snapshot
+        if snapshot is not None and snapshot.same():
+            return self._refresh(root)
+        check_not_compiled(root, self.devices)  # root.compile() since the last call
+        if not self.unchanged(root):
+            return None
+        replicas = self._sync(root, None if snapshot is None else snapshot.changed())
+        self.snapshot = Snapshot([root, *self.sources[1:]])  # type: ignore[list-item]
+        return replicas
+
+    def unchanged(self, root: nn.Module) -> bool:
+        """Whether ``root``'s structure is still the one these replicas were built for."""
+        return signature([root, *self.sources[1:]]) == self.sig  # type: ignore[list-item]
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -196,10 +254,11 @@ class Replicas:
         params, targets = self.params, self.targets
         if not targets:  # every replica sits on its parameters' devices: share them all
             return [params] * len(self.keys)  # type: ignore[list-item]
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            self._copy_differentiable(targets)
+        mode = _mode()
+        if mode is None:
+            self._copy_fresh(targets)
         else:
-            self._copy_changed(targets)
+            self._copy_in_place(targets, mode)
         views: dict[_Key, list[torch.Tensor]] = {}
         for k, copies in self.copies.items():
             views[k] = [
@@ -208,7 +267,8 @@ class Replicas:
             ]
         return [views[k] for k in self.keys]
 
-    def _copy_differentiable(self, targets: list[_Key]) -> None:
+    def _copy_fresh(self, targets: list[_Key]) -> None:
+        """Grad enabled: new copies, differentiable, that no later call ever writes."""
         params = self.params
         by_source: dict[_Key, list[int]] = {}
         for i, pk in enumerate(self.param_keys):
@@ -228,25 +288,26 @@ class Replicas:
                 for d, k in enumerate(dests, start=1):
                     for s, i in enumerate(slots):
                         self.copies[k][i] = out[d * n + s]
-                        self.copy_keys[k][i] = False  # graph-bound: never refreshed in place
+                        self.copy_mode[k][i] = None  # graph-bound: never refreshed in place
             else:
                 for k in dests:
                     device = torch.device(*k)
                     for i in slots:
-                        self.copies[k][i] = params[i].to(device)
-                        self.copy_keys[k][i] = False
+                        # copy=True: "cpu:1" is the CPU, where .to() would return the tensor
+                        self.copies[k][i] = params[i].to(device, copy=True)
+                        self.copy_mode[k][i] = None
 
-    def _copy_changed(self, targets: list[_Key]) -> None:
-        """Inference: refresh the copies on other devices from the module's parameters.
+    def _copy_in_place(self, targets: list[_Key], mode: str) -> None:
+        """Grad disabled: refresh the copies on other devices from the module's parameters.
 
         Every call copies (one fused copy into the existing tensors): no cheap test tells that a
         parameter changed, since fused optimizers and ``p.data`` updates do not bump
-        ``_version``. A copy is allocated only where none can be reused (none yet, a copy
-        bound to an autograd graph, or a new shape or dtype).
+        ``_version``. A copy is written in place only when a call in this same mode made it
+        (no graph can hold it); otherwise a new one is made.
         """
         with torch.no_grad():
             for k in targets:
-                copies, reusable = self.copies[k], self.copy_keys[k]
+                copies, modes = self.copies[k], self.copy_mode[k]
                 device = torch.device(*k)
                 dests: list[torch.Tensor] = []
                 sources: list[torch.Tensor] = []
@@ -254,19 +315,13 @@ class Replicas:
                     if pk == k:
                         continue
                     c = copies[i]
-                    if c is None or not reusable[i] or c.shape != p.shape or c.dtype != p.dtype:
+                    if c is None or modes[i] != mode or c.shape != p.shape or c.dtype != p.dtype:
                         copies[i] = p.detach().to(device, copy=True)
-                        reusable[i] = True
+                        modes[i] = mode
                     else:
                         dests.append(c)
                         sources.append(p.detach())
-                if not dests:
-                    continue
-                if _FOREACH_COPY is not None:
-                    _FOREACH_COPY(dests, sources)
-                else:  # pragma: no cover - torch without the fused copy
-                    for dest, source in zip(dests, sources, strict=True):
-                        dest.copy_(source)
+                _copy_all(dests, sources)
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -283,82 +338,112 @@ class Replicas:
     def _source(self, i: int) -> nn.Module:
         return self.sources[i]  # type: ignore[return-value]
 
-    def _sync_buffers(self, buffers: list[torch.Tensor]) -> bool:
-        """Re-copy every private buffer; whether one was replaced (a buffer requiring grad,
-        copied differentiably), which the replicas' dictionaries must then be told of."""
-        grad = torch.is_grad_enabled()
-        replaced = False
+    def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Bring every private buffer copy in line with the module's buffers.
+
+        With grad enabled every copy is new (a buffer requiring grad copied differentiably, as
+        torch broadcasts it): the last call's graph may have saved the old one (BatchNorm in
+        ``eval()``, a buffer used as a factor). Without grad, copies made without grad are
+        written in place, in one fused call: BatchNorm updates running statistics without
+        bumping ``_version``, so no cheap test can tell that either side changed.
+        """
+        mode = _mode()
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
-        for j, device in enumerate(self.devices):
-            row = self.private[j]
-            for i in self.private_slots[j]:
-                b = buffers[i]
-                if grad and b.requires_grad:
-                    # Differentiable, as torch broadcasts buffers that require grad.
-                    row[i] = b.to(device) if _key(b.device) != self.keys[j] else b.clone()
-                    replaced = True
-                    continue
-                dests.append(row[i])  # type: ignore[arg-type]
-                sources.append(b)
-        if dests:
-            # Always: BatchNorm updates running stats without bumping _version, so no cheap
-            # test can tell that either side changed. One fused call instead of one per buffer.
-            with torch.no_grad():
-                if _FOREACH_COPY is not None:
-                    _FOREACH_COPY(dests, sources)
-                else:  # pragma: no cover - torch without the fused copy
-                    for dest, source in zip(dests, sources, strict=True):
-                        dest.copy_(source)
-        return replaced
+        with torch.no_grad():
+            for j, device in enumerate(self.devices):
+                row, modes = self.private[j], self.private_mode[j]
+                for i in self.private_slots[j]:
+                    b = buffers[i]
+                    mine = row[i]
+                    if mode is None:
+                        if b.requires_grad:
+                            with torch.enable_grad():
+                                row[i] = b.to(device, copy=True)
+                        else:
+                            row[i] = b.detach().to(device, copy=True)
+                        modes[i] = None
+                    elif (
+                        mine is _NOT_YET
+                        or mine is None
+                        or modes[i] != mode
+                        or mine.shape != b.shape
+                        or mine.dtype != b.dtype
+                    ):
+                        row[i] = b.detach().to(device, copy=True)
+                        modes[i] = mode
+                    else:
+                        dests.append(mine)
+                        sources.append(b.detach())
+            _copy_all(dests, sources)
+
+    def _buffers_of(self, j: int, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers replica ``j`` uses: the module's own where it has no private copy."""
+        return [
+            b if mine is None else mine for b, mine in zip(buffers, self.private[j], strict=True)
+        ]
 
     # -- the whole sync ---------------------------------------------------------------------
 
-    def unchanged(self, root: nn.Module) -> bool:
-        """Whether ``root``'s structure is still the one these replicas were built for."""
-        return signature([root, *self.sources[1:]]) == self.sig  # type: ignore[list-item]
+    def _sync(self, root: nn.Module, only: list[int] | None) -> list[nn.Module]:
+        """Bring every replica in line with the module's current state; return the roots.
 
-    def sync(self, root: nn.Module) -> list[nn.Module]:
-        """Bring every replica in line with the module's current state; return the roots."""
+        ``only``: the modules whose dictionaries must be refilled (``None``: all of them).
+        """
         per_device = self._sync_params()
         buffers = self._current_buffers(root)
         self._sync_buffers(buffers)
         self.current = buffers
-        return self._fill(root, per_device, buffers)
-
-    def refresh(self, root: nn.Module) -> list[nn.Module]:
-        """``sync`` for a module unchanged since the last sync (``mutations.epoch`` says so).
-
-        Only what changes without a count is brought in line: parameter copies on other
-        devices (values; under autograd, new differentiable copies) and private buffer copies
-        (BatchNorm writes its statistics in place). The replicas' dictionaries already hold
-        everything else, as the last sync left them: a forward that set an attribute on a
-        replica counted a change, and the next call takes the full sync.
-        """
-        per_device = self._sync_params()
-        if self._sync_buffers(self.current):  # new differentiable buffer copies: refill
-            return self._fill(root, per_device, self.current)
-        self._install_params(per_device)
+        self._fill(root, buffers, only)
+        self.fills += 1
+        self.installed = [None] * len(self.devices)
+        self._install(root, per_device)
         return self._roots(root)
 
-    def _install_params(self, per_device: list[list[torch.Tensor]]) -> None:
-        """Point each replica at the parameter tensors of this call, where they are new."""
+    def _refresh(self, root: nn.Module) -> list[nn.Module]:
+        """``_sync`` for a module not written since the last call (the snapshot says so).
+
+        Only what changes without a write is brought in line: parameter copies on other
+        devices and private buffer copies (values, or new tensors with grad enabled).
+        """
+        per_device = self._sync_params()
+        self._sync_buffers(self.current)
+        self._install(root, per_device)
+        return self._roots(root)
+
+    def _install(self, root: nn.Module, per_device: list[list[torch.Tensor]]) -> None:
+        """Point each replica at this call's parameter and buffer tensors, where they are new."""
         first = 1 if self.own else 0
         for j, records in enumerate(self.complex):
-            tensors = per_device[j]
-            before = self.installed[j]
-            if j < first or not records or before is tensors:
+            if j < first or not records:
                 continue
-            if before is not None and all(map(operator.is_, before, tensors)):
+            tensors = per_device[j]
+            buffers = self._buffers_of(j, self.current)
+            before = self.installed[j]
+            new_params = before is None or not (
+                before[0] is tensors or all(map(operator.is_, before[0], tensors))
+            )
+            new_buffers = before is None or not all(map(operator.is_, before[1], buffers))
+            if not (new_params or new_buffers):
                 continue
             take_param = tensors.__getitem__
-            for rep, _, _, _, _, pnames, pslots, _, _ in records:
-                if pnames:
+            take_buffer = buffers.__getitem__
+            for rep, i, kids, _, _, pnames, pslots, bnames, bslots in records:
+                if kids is None:  # a custom replication hook or __setattr__
+                    self._sync_custom(j, i, self._source_or_root(i, root), tensors, buffers)
+                    continue
+                d = rep.__dict__
+                if pnames and new_params:
                     attrs = dict(zip(pnames, map(take_param, pslots), strict=True))
-                    d = rep.__dict__
+                    # torch exposes the copies here for DDP (#33907); harmless elsewhere.
                     d["_former_parameters"] = OrderedDict(attrs)
                     d.update(attrs)
-            self.installed[j] = tensors
+                if bnames and new_buffers:
+                    d["_buffers"].update(zip(bnames, map(take_buffer, bslots), strict=True))
+            self.installed[j] = (tensors, buffers)
+
+    def _source_or_root(self, i: int, root: nn.Module) -> nn.Module:
+        return root if i == 0 else self._source(i)
 
     def _roots(self, root: nn.Module) -> list[nn.Module]:
         replicas = [reps[0] for reps in self.replicas]
@@ -366,69 +451,79 @@ class Replicas:
             replicas[0] = root
         return replicas
 
-    def _fill(
-        self, root: nn.Module, per_device: list[list[torch.Tensor]], buffers: list[torch.Tensor]
-    ) -> list[nn.Module]:
-        """Refill every replica's ``__dict__`` from its source module's; return the roots."""
-        self.installed = list(per_device)
+    def _fill(self, root: nn.Module, buffers: list[torch.Tensor], only: list[int] | None) -> None:
+        """Refill the replicas' ``__dict__``s of the modules in ``only`` (all when ``None``)
+        from their sources': plain attributes, training flags, hooks, children.
+
+        Each replica gets a new dictionary (one C-level copy costs less than clearing and
+        refilling the old one) with fresh tables, so nothing a forward does to a replica
+        outlives it. Parameters and buffers are put in by ``_install``.
+        """
         sources: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
-        # Plain attributes, training flags and hooks: mirrored from the source. Each replica
-        # gets a new dictionary (one C-level copy costs less than clearing and refilling the
-        # old one) with fresh containers, so nothing a forward does to a replica outlives it.
         dicts = [m.__dict__ for m in sources]
+        wanted = None if only is None else set(only)
         set_dict = object.__setattr__
         new_od = OrderedDict
         first = 1 if self.own else 0
         for j in range(first, len(self.devices)):
-            for rep, src_dict, kids, simple, hooks in zip(
-                self.replicas[j],
-                dicts,
-                self.children[j],
-                self.simple,
-                self.hook_tables[j],
-                strict=True,
+            for i, (rep, src_dict, kids, simple, hooks) in enumerate(
+                zip(
+                    self.replicas[j],
+                    dicts,
+                    self.children[j],
+                    self.simple,
+                    self.hook_tables[j],
+                    strict=True,
+                )
             ):
-                if simple:  # no parameters, no buffers, no custom hooks: most modules
-                    d = src_dict.copy()
-                    d["_parameters"] = {}
-                    d["_modules"] = kids.copy()
-                    d["_is_replica"] = True
-                    d["_buffers"] = {}
-                    d["_former_parameters"] = new_od()
-                    _own_hooks(d, hooks)
-                    set_dict(rep, "__dict__", d)
+                if not simple or i in self.through or (wanted is not None and i not in wanted):
+                    continue
+                # no parameters, no buffers, no custom hooks: most modules
+                d = src_dict.copy()
+                d["_parameters"] = {}
+                d["_modules"] = kids.copy()
+                d["_is_replica"] = True
+                d["_buffers"] = {}
+                d["_former_parameters"] = new_od()
+                self._own_state(d, hooks, sources[i])
+                set_dict(rep, "__dict__", d)
         for j, records in enumerate(self.complex):
             if not records or j < first:
                 continue
-            tensors = per_device[j]
-            take_param = tensors.__getitem__
-            private = self.private[j]
-            # The buffers replica j uses: the module's own where it has no private copy.
-            take_buffer = [
-                b if mine is None else mine for b, mine in zip(buffers, private, strict=True)
-            ]
-            take_buffer_at = take_buffer.__getitem__
-            for rep, i, kids, none_params, none_buffers, pnames, pslots, bnames, bslots in records:
-                if kids is None:  # a custom replication hook or __setattr__
-                    self._sync_custom(j, i, sources[i], tensors, take_buffer)
-                    continue
+            private = self._buffers_of(j, buffers)
+            for rep, i, kids, none_params, none_buffers, _, _, bnames, bslots in records:
+                if kids is None or (wanted is not None and i not in wanted):
+                    continue  # custom modules are re-synced by _install
                 d = dicts[i].copy()
                 d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
                 d["_modules"] = kids.copy()
                 d["_is_replica"] = True
-                if none_buffers:
-                    bufs: dict[str, torch.Tensor | None] = dict.fromkeys(none_buffers)
-                    bufs.update(zip(bnames, map(take_buffer_at, bslots), strict=True))
-                    d["_buffers"] = bufs
-                else:
-                    d["_buffers"] = dict(zip(bnames, map(take_buffer_at, bslots), strict=True))
-                attrs = dict(zip(pnames, map(take_param, pslots), strict=True))
-                # torch exposes the copies here for DDP (#33907); harmless elsewhere.
-                d["_former_parameters"] = new_od(attrs)
-                d.update(attrs)
-                _own_hooks(d, self.hook_tables[j][i])
+                bufs: dict[str, torch.Tensor | None] = dict.fromkeys(none_buffers)
+                bufs.update(zip(bnames, map(private.__getitem__, bslots), strict=True))
+                d["_buffers"] = bufs
+                d["_former_parameters"] = new_od()
+                self._own_state(d, self.hook_tables[j][i], sources[i])
                 set_dict(rep, "__dict__", d)
-        return self._roots(root)
+
+    def _own_state(self, d: dict[str, Any], hooks: list[Any], source: nn.Module) -> None:
+        """What a replica's new ``__dict__`` must not share with its source's."""
+        _own_hooks(d, hooks)
+        if d.get("_compiled_call_impl") is not None:
+            # module.compile(): the compiled call is bound to the user's module; the replica
+            # runs its own forward, eagerly.
+            d["_compiled_call_impl"] = None
+            self._warn_compiled(type(source).__name__)
+
+    def _warn_compiled(self, what: str) -> None:
+        if self.compiled_seen:
+            return
+        self.compiled_seen = True
+        warn_user(
+            f"module: a compiled submodule ({what}) is replicated as its eager module: replica 0 "
+            f"(the module itself) runs it compiled, replicas 1 to {len(self.devices) - 1} run "
+            f"their own copies eagerly; to compile every replica, compile the wrapper instead: "
+            f"torch.compile(dp.DataParallel(model))"
+        )
 
     def _sync_custom(
         self,
@@ -454,7 +549,7 @@ class Replicas:
             [(name, tensors[slot]) for name, slot in pslots]
         )
         d["_former_parameters"] = attrs
-        _own_hooks(d, self.hook_tables[j][i])
+        self._own_state(d, self.hook_tables[j][i], src)
         object.__setattr__(rep, "__dict__", d)
         if pslots:
             for name, value in attrs.items():
@@ -463,24 +558,57 @@ class Replicas:
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
 
 
+# A private buffer copy not made yet (the first sync makes it).
+_NOT_YET: Any = torch.empty(0)
+
+# The hook tables a replica holds its own copy of: a hook registered during a replica's forward
+# (lazily, as transformers' output capture does) must land once, on the module, through
+# replica 0, as on one device.
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
+def _mode() -> str | None:
+    """The grad mode of this call: ``None`` when grad is enabled (a graph may save what the
+    call uses), else ``"inference"`` or ``"no_grad"`` (tensors made in one cannot be written
+    in the other)."""
+    if torch.is_grad_enabled():
+        return None
+    return "inference" if torch.is_inference_mode_enabled() else "no_grad"
+
+
+def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if not dests:
+        return
+    with torch.no_grad():
+        if _FOREACH_COPY is not None:
+            _FOREACH_COPY(dests, sources)
+        else:  # pragma: no cover - torch without the fused copy
+            for dest, source in zip(dests, sources, strict=True):
+                dest.copy_(source)
+
+
 def _own_hooks(d: dict[str, Any], mine: list[Any]) -> None:
-    """Give a replica's new ``__dict__`` forward-hook tables of its own, equal to its source's.
+    """Give a replica's new ``__dict__`` hook tables of its own, equal to its source's.
 
     A replica's ``__dict__`` is a shallow copy of its source's: without this, a hook registered
-    during a replica's forward (lazily, as transformers' output capture does on the first
-    ``output_hidden_states=True`` call) would land in the user's module too and fire twice
-    from then on (torch's replicate has that flaw). ``mine`` holds the replica's tables between
-    calls: while both the source's and the replica's are empty (the usual case) the same empty
-    table is reused, otherwise the source's is copied, so the replica always starts a call
-    with its source's hooks and nothing it registers outlives the call.
+    during a replica's forward would land in the user's module too and fire twice from then on
+    (torch's replicate has that flaw). ``mine`` holds the replica's tables between fills: while
+    both the source's and the replica's are empty (the usual case) the same empty table is
+    reused, otherwise the source's is copied, so the replica always starts with its source's
+    hooks and nothing it registers outlives the next fill.
     """
-    src = d.get("_forward_hooks")
-    if src is not None:
-        if src or mine[0]:
-            mine[0] = src.copy()
-        d["_forward_hooks"] = mine[0]
-    src = d.get("_forward_pre_hooks")
-    if src is not None:
-        if src or mine[1]:
-            mine[1] = src.copy()
-        d["_forward_pre_hooks"] = mine[1]
+    for k, name in enumerate(_HOOK_TABLES):
+        src = d.get(name)
+        if src is None:
+            continue
+        if src or mine[k] is None or mine[k]:
+            mine[k] = src.copy()
+        d[name] = mine[k]

@@ -3,61 +3,99 @@
 ``torch.nn.parallel.replicate`` rebuilds every replica on every forward: one Python object per
 submodule per device, a ``__dict__`` copy each, and a broadcast of every parameter even when
 nothing changed. Here the replica objects (:class:`dataparallel.replicas.Replicas`) are built
-once per (module, devices) and kept in a side table keyed weakly on the module. Each call then
-costs what can have changed:
+once per (module, devices) and kept. Each call then costs what can have changed, and the check
+looks only at the module's own tree (:class:`dataparallel.fingerprint.Snapshot`):
 
-- nothing counted since the last call (:mod:`dataparallel.mutations`: no attribute set, no
-  submodule, parameter, buffer or hook added, replaced or removed, no ``.to()``): only the
-  tensors are re-synced, parameter copies on other devices and private buffer copies;
-- some change counted: the structure is compared with the one the replicas were built for
-  (:mod:`dataparallel.fingerprint`); a new structure rebuilds the replicas, else every
-  replica's ``__dict__`` is refilled from its source's (attributes, training flags, hooks).
+- nothing written since the last call: only the tensors are synced, parameter copies on other
+  devices and private buffer copies;
+- some module written (an attribute, a training flag, a hook, ``_parameters[k] = p``): the
+  replicas of the modules written have their ``__dict__`` refilled;
+- the structure changed (a submodule, parameter or buffer added, replaced or moved): the
+  replicas are built again.
 
-Replicas never register the module as a child and do not expose parameters
-(``replica.parameters()`` is empty, as in torch), so they never appear in
-``module.state_dict()``. The side table holds the root module only weakly; a module whose hooks
-or attributes refer back to it (a hook that is one of its bound methods, say) is not cached, as
-the table would then keep it alive: it gets fresh replicas on every call, as in torch.
+Nothing here changes torch or any other module. Replicas never register the module as a child
+and do not expose parameters (``replica.parameters()`` is empty, as in torch), so they never
+appear in ``module.state_dict()``.
 
-Replicas are shared by every caller of ``replicate(module, devices)``: two threads running the
-same module on the same devices at once should use :func:`fresh_replicate`.
+Who keeps the replicas:
+
+- a ``DataParallel`` wrapper keeps its own (:class:`ReplicaSets`), dropped with it, and runs one
+  call at a time through them;
+- :func:`replicate` keeps them in a process-wide table that holds the module only weakly. A
+  module whose attributes or hooks lead back to it (a hook that is one of its bound methods, a
+  config object holding it) is not kept there, as the table would then keep it alive: it gets
+  fresh replicas on every call, as in torch. Callers of :func:`replicate` with the same module
+  and devices share one set: two threads running it at once should use
+  :func:`fresh_replicate` (or a wrapper each).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from dataparallel import mutations
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.fingerprint import Scripted, fingerprint, self_referencing
 from dataparallel.guards import replicate_scripted
 from dataparallel.replicas import Replicas
 
-__all__ = ["clear_replica_cache", "fresh_replicate", "replicate"]
+__all__ = ["ReplicaSets", "clear_replica_cache", "fresh_replicate", "replicate"]
+
+_Devices = tuple[torch.device, ...]
 
 _LOCK = threading.RLock()
-_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[torch.device, ...], Replicas]] = (
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[_Devices, Replicas]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> tuple[torch.device, ...]:
+def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> _Devices:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     return tuple(resolve_devices(devices, where="devices"))
+
+
+def _replicas_of(
+    table: dict[_Devices, Replicas],
+    module: nn.Module,
+    devices: _Devices,
+    keep: Callable[[list[nn.Module]], bool],
+) -> list[nn.Module]:
+    """The replicas of ``module`` on ``devices`` from ``table``, built (and kept there when
+    ``keep`` says so) when it has none for this structure."""
+    entry = table.get(devices)
+    if entry is not None:
+        fills = entry.fills
+        replicas = entry.current_replicas(module)
+        if replicas is not None:
+            if entry.fills != fills and not keep([module, *entry.sources[1:]]):  # type: ignore[list-item]
+                del table[devices]
+            return replicas
+        del table[devices]
+    try:
+        modules, _ = fingerprint(module)
+    except Scripted:
+        return replicate_scripted(module, devices)
+    entry = Replicas(module, devices)
+    replicas = entry.current_replicas(module)
+    if replicas is None:  # pragma: no cover - the structure changed while it was being built
+        raise RuntimeError("module: its structure changed while its replicas were being built")
+    if keep(modules):
+        table[devices] = entry
+    return replicas
 
 
 def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
     """One replica of ``module`` per entry of ``devices``, cached and re-synced on each call.
 
     The second call with an unchanged module returns the same replica objects; their state
-    (training flags, parameters, buffers, plain attributes) always mirrors the module's.
-    Gradients of the replicas' outputs flow back into the module's own parameters.
+    (training flags, parameters, buffers, plain attributes, hooks) always mirrors the module's,
+    however it was written. Gradients of the replicas' outputs flow back into the module's own
+    parameters.
 
     Args:
         module: the module to replicate; it is never modified.
@@ -68,7 +106,7 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
         The replicas, in the order of ``devices``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
+        TypeError: ``module`` is not an ``nn.Module``, or was compiled as a whole.
         ValueError: a device spec is not usable.
 
     >>> lin = torch.nn.Linear(3, 2)
@@ -83,30 +121,47 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
         hash(module)
     except TypeError:  # a module class that defines __eq__ without __hash__: no cache
         return fresh_replicate(module, resolved)
-    mutations.install()
     with _LOCK:
         table = _CACHE.get(module)
-        entry = None if table is None else table.get(resolved)
-        # Read before anything is looked at: a change made from here on moves it again.
-        now = mutations.epoch()
-        if entry is not None and entry.epoch == now and mutations.tracking():
-            return entry.refresh(module)  # nothing changed: tensors only
-        if entry is not None and not entry.unchanged(module):
-            entry = None
-            del table[resolved]  # type: ignore[union-attr]
-        if entry is None:
-            try:
-                modules, _ = fingerprint(module)
-            except Scripted:
-                return replicate_scripted(module, resolved)
-            entry = Replicas(module, resolved)
-            if self_referencing(modules):
-                # The table would keep the module alive through its own replicas.
-                return entry.sync(module)
-            _CACHE.setdefault(module, {})[resolved] = entry
-        replicas = entry.sync(module)
-        entry.epoch = now if entry.trusted else None
-        return replicas
+        if table is None:
+            table = {}
+            replicas = _replicas_of(table, module, resolved, _not_self_referencing)
+            if table:
+                _CACHE[module] = table
+            return replicas
+        return _replicas_of(table, module, resolved, _not_self_referencing)
+
+
+def _not_self_referencing(modules: list[nn.Module]) -> bool:
+    return not self_referencing(modules)
+
+
+def _always(modules: list[nn.Module]) -> bool:
+    return True
+
+
+class ReplicaSets:
+    """The replicas one owner (a ``DataParallel`` wrapper) keeps of one module.
+
+    Held strongly by the owner, so no weak table and no self-reference check are needed: the
+    replicas go with the owner. A new module (``wrapper.module = other``) drops the old sets.
+    Not thread-safe: the owner runs one call at a time.
+    """
+
+    __slots__ = ("module", "sets")
+
+    def __init__(self) -> None:
+        self.module: nn.Module | None = None
+        self.sets: dict[_Devices, Replicas] = {}
+
+    def replicate(self, module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
+        """As :func:`replicate`, from this owner's own sets."""
+        resolved = _prepare(module, devices)
+        if isinstance(module, torch.jit.ScriptModule):
+            return replicate_scripted(module, resolved)
+        if module is not self.module:
+            self.module, self.sets = module, {}
+        return _replicas_of(self.sets, module, resolved, _always)
 
 
 def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
@@ -120,15 +175,16 @@ def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn
         fingerprint(module)
     except Scripted:
         return replicate_scripted(module, resolved)
-    return Replicas(module, resolved).sync(module)
+    replicas = Replicas(module, resolved).current_replicas(module)
+    assert replicas is not None  # a set just built matches its module
+    return replicas
 
 
 def clear_replica_cache(module: nn.Module | None = None) -> None:
-    """Forget cached replicas of ``module`` (all modules when ``None``); the next call rebuilds.
+    """Forget the replicas :func:`replicate` keeps of ``module`` (all modules when ``None``).
 
-    Needed only after changes that bypass torch's mutation methods (``module.__dict__[k] = v``,
-    ``module._modules[k] = m``, ``module._parameters[k] = p``), which the change count cannot
-    see (:mod:`dataparallel.mutations`).
+    Never needed for correctness (every write to the module is seen); it frees the memory of
+    the replicas' private copies at once.
     """
     with _LOCK:
         if module is None:

@@ -30,7 +30,7 @@ from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combi
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
-from dataparallel.replicate import replicate
+from dataparallel.replicate import ReplicaSets, replicate
 from dataparallel.scatter import take
 from dataparallel.warn import warn_user
 
@@ -152,10 +152,19 @@ class DataParallel(nn.Module):
         calls.last = value
 
     def __getstate__(self) -> dict[str, Any]:
-        # A thread-local cannot be pickled or deep-copied: the copy starts with no last call.
+        # A thread-local and a lock cannot be pickled or deep-copied: the copy starts with no
+        # last call, a lock of its own and no replicas (they are rebuilt at its first call).
         state = self.__dict__.copy()
-        state.pop("_calls", None)
+        for name in ("_calls", "_lock", "_replica_sets"):
+            state.pop(name, None)
         return state
+
+    def _call_lock(self) -> threading.RLock:
+        """The lock that runs this wrapper's calls one at a time (see ``forward``)."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:  # made lazily: a copied or unpickled wrapper has none
+            lock = self.__dict__.setdefault("_lock", threading.RLock())
+        return lock  # type: ignore[no-any-return]
 
     # -- the pipeline -------------------------------------------------------------------------
 
@@ -165,13 +174,19 @@ class DataParallel(nn.Module):
         One path for every call: on one device the plan has one chunk, reused from the last
         call while the arguments' signature holds, its scatter moves nothing, and the module is
         its own replica, run on the caller's thread.
+
+        Calls through one wrapper run one at a time (a training thread and an evaluation
+        thread sharing it take turns): its replicas are one set of objects, re-synced for each
+        call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
+        saved. Threads that must run at once use a wrapper each (they share the module).
         """
-        self._check_module_device()
-        try:
-            return self._pipeline(inputs, kwargs)
-        except RuntimeError:
-            self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
-            raise
+        with self._call_lock():
+            self._check_module_device()
+            try:
+                return self._pipeline(inputs, kwargs)
+            except RuntimeError:
+                self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
+                raise
 
     def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
@@ -324,8 +339,11 @@ class DataParallel(nn.Module):
         return tuple(a for a, _ in chunks), tuple(k for _, k in chunks)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
-        """Replicas of ``module`` on ``device_ids``, cached between calls."""
-        return replicate(module, list(device_ids))
+        """Replicas of ``module`` on ``device_ids``, kept by this wrapper between calls."""
+        sets: ReplicaSets | None = self.__dict__.get("_replica_sets")
+        if sets is None:  # made lazily: a copied or unpickled wrapper has none
+            sets = self.__dict__["_replica_sets"] = ReplicaSets()
+        return sets.replicate(module, list(device_ids))
 
     def parallel_apply(
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[Any]

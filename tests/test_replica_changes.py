@@ -1,9 +1,10 @@
-"""The replica cache's change count: every way a module changes between calls is seen.
+"""The replica check: every way a module changes between calls is seen, locally.
 
-A cached replica set is refreshed cheaply (tensors only) while ``mutations.epoch()`` holds
-still, so each test below first makes the cache reach that fast path, then changes the module
-one way and checks that the next ``replicate`` mirrors it. Oracle: every replica's output equals
-the module's own on the same input, and every replica's training flags are the module's.
+A cached replica set is refreshed cheaply (tensors only) while its snapshot of the module tree
+holds, so each test below first makes the cache reach that fast path, then changes the module
+one way (through torch's methods or past them) and checks that the next ``replicate`` mirrors
+it. Oracle: every replica's output equals the module's own on the same input, and every
+replica's training flags are the module's. Nothing in torch is patched to see any of it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dataparallel import mutations
-from dataparallel.replicate import clear_replica_cache, replicate
+from dataparallel.fingerprint import Snapshot
+from dataparallel.replicate import replicate
 
 # "cpu:1" makes replica 1 a copy on another device (parameters copied), so both the shared
 # and the copied paths are checked.
@@ -62,8 +63,7 @@ def _flex() -> Flex:
     model = Flex().eval()
     with torch.no_grad():
         model.bn.running_mean.uniform_(-1, 1)
-    # Modules the changes add, made now: building a module counts changes of its own, which
-    # would hide a change path that counts nothing. Kept past __setattr__, as replicas' state.
+    # Modules the changes add, made now (kept past __setattr__, out of the module tree).
     model.__dict__["_spares"] = {"3": nn.Linear(3, 3).eval(), "4": nn.Linear(4, 3).eval()}
     return model
 
@@ -78,6 +78,12 @@ def _hook(model: Flex) -> Any:
 
 def _remove_hook(model: Flex) -> None:
     model.__dict__["_test_handle"].remove()
+
+
+def _rename_last_child(model: Flex) -> None:
+    # The last child, renamed in place: same values, same count, another name. Its forward
+    # finds it under the new name only.
+    model._modules["extra2"] = model._modules.pop("extra")
 
 
 def _setup_remove_hook(model: Flex) -> None:
@@ -121,8 +127,24 @@ CHANGES: dict[str, Callable[[Flex], Any]] = {
         {k: v.clone() + 1 if v.is_floating_point() else v for k, v in m.state_dict().items()},
         assign=True,
     ),
+    # Past torch's methods: what loaders, functional_call and hand-written code do.
+    "__dict__ write": lambda m: m.__dict__.__setitem__("scale", 6.0),
+    "_parameters write": lambda m: m.fc1._parameters.__setitem__(
+        "weight", nn.Parameter(torch.randn(3, 4))
+    ),
+    "_buffers write": lambda m: m.bn._buffers.__setitem__("running_var", torch.full((3,), 4.0)),
+    "_modules write": lambda m: m._modules.__setitem__("fc1", _spare(m, "4")),
+    "_modules key renamed": _rename_last_child,
+    "hook table write": lambda m: m.seq[0]._forward_hooks.__setitem__(
+        10**9, lambda mod, i, o: o - 1
+    ),
+    "training flag in __dict__": lambda m: m.seq[1].__dict__.__setitem__("training", True)
+    or m.bn.__dict__.__setitem__("training", True),
 }
-SETUP: dict[str, Callable[[Flex], Any]] = {"hook removed": _setup_remove_hook}
+SETUP: dict[str, Callable[[Flex], Any]] = {
+    "hook removed": _setup_remove_hook,
+    "_modules key renamed": lambda m: m.add_module("extra", _spare(m)),
+}
 
 
 def _check(model: nn.Module, devices: list[str]) -> None:
@@ -150,21 +172,56 @@ def test_a_change_after_the_fast_path_is_seen(change: str, devices: list[str]) -
     _check(model, devices)  # and the call after it, on the fast path again
 
 
-def test_an_unchanged_module_takes_the_fast_path() -> None:
-    # Neither the cache's own sync nor a plain forward counts a change: were either to, every
-    # call would take the full walk and refill (correct, but the cost issue 12 removed).
+def test_an_unchanged_module_keeps_its_replica_objects() -> None:
     model = _flex()
     x = torch.randn(6, 4)
     with torch.no_grad():
         first = replicate(model, ["cpu", "cpu:1"])
-        before = mutations.epoch()
+        dicts = [m.__dict__ for m in first[1].modules()]
         for _ in range(3):
             replicas = replicate(model, ["cpu", "cpu:1"])
             for replica in replicas:
                 replica(x)
-        assert mutations.epoch() == before
         assert all(a is b for a, b in zip(first, replicas, strict=True))
-    assert mutations.tracking()
+        # nothing was written, so no replica dictionary was refilled
+        assert all(a is b.__dict__ for a, b in zip(dicts, replicas[1].modules(), strict=True))
+
+
+def test_only_the_written_module_is_refilled() -> None:
+    model = _flex()
+    with torch.no_grad():
+        _, r1 = replicate(model, ["cpu", "cpu"])
+        before = {name: m.__dict__ for name, m in r1.named_modules()}
+        model.seq[1].extra_flag = True
+        _, again = replicate(model, ["cpu", "cpu"])
+    after = {name: m.__dict__ for name, m in again.named_modules()}
+    changed = sorted(name for name in before if before[name] is not after[name])
+    assert changed == ["seq.1"]
+    assert again.seq[1].extra_flag is True
+
+
+def test_nothing_in_torch_is_patched() -> None:
+    names = ("__setattr__", "__delattr__", "register_parameter", "register_buffer", "_apply")
+    before = {name: nn.Module.__dict__[name] for name in names}
+    model = _flex()
+    _check(model, ["cpu", "cpu:1"])
+    _check(model, ["cpu", "cpu:1"])
+    assert {name: nn.Module.__dict__[name] for name in names} == before
+
+
+def test_writes_to_other_modules_do_not_touch_the_check() -> None:
+    # A module outside the tree, written on every step, leaves the snapshot holding.
+    model = _flex()
+    metric = nn.Module()
+    metric.total = 0
+    _check(model, ["cpu", "cpu"])
+    snapshot = Snapshot(list(model.modules()))
+    for _ in range(5):
+        metric.total += 1
+        assert snapshot.same()
+    model.scale = 1.5
+    assert not snapshot.same()
+    assert snapshot.changed() == [0]
 
 
 class Counter(nn.Module):
@@ -191,23 +248,6 @@ def test_what_a_forward_writes_on_a_replica_does_not_outlive_the_call() -> None:
     assert model.calls == 3  # replica 0 is the module: its writes land, once per call
 
 
-def test_a_library_replacing_a_wrapped_method_turns_the_fast_path_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    model = _flex()
-    _check(model, ["cpu", "cpu"])
-    torch_setattr = nn.Module.__setattr__.__wrapped__  # type: ignore[attr-defined]
-
-    def their_setattr(self: nn.Module, name: str, value: Any) -> None:
-        torch_setattr(self, name, value)  # counts nothing
-
-    monkeypatch.setattr(nn.Module, "__setattr__", their_setattr)
-    assert not mutations.tracking()
-    _check(model, ["cpu", "cpu"])
-    model.scale = 5.0
-    _check(model, ["cpu", "cpu"])  # seen by the full check
-
-
 class OwnSetattr(Flex):
     """A module whose ``__setattr__`` does not go through ``nn.Module``'s for plain values."""
 
@@ -218,27 +258,19 @@ class OwnSetattr(Flex):
             super().__setattr__(name, value)
 
 
-def test_a_module_with_its_own_setattr_is_checked_in_full_on_every_call() -> None:
+def test_a_module_with_its_own_setattr_is_seen() -> None:
     torch.manual_seed(0)
     model = OwnSetattr().eval()
     _check(model, ["cpu", "cpu"])
     _check(model, ["cpu", "cpu"])
-    model.scale = 4.0  # counted by nothing
-    _check(model, ["cpu", "cpu"])
-
-
-def test_a_write_past_every_mutation_path_is_seen_after_clear_replica_cache() -> None:
-    model = _flex()
-    _check(model, ["cpu", "cpu"])
-    model.__dict__["scale"] = 6.0  # bypasses __setattr__: the documented blind spot
-    clear_replica_cache(model)
+    model.scale = 4.0  # past nn.Module.__setattr__
     _check(model, ["cpu", "cpu"])
 
 
 def test_training_copies_follow_grad_mode_switches_on_the_fast_path() -> None:
-    # Under autograd, replicas on another device get new differentiable copies each call;
-    # in inference, reusable copies refreshed in place: switching back and forth must leave
-    # each replica holding the tensors of this call.
+    # With grad enabled, replicas on another device get new differentiable copies each call;
+    # without, copies made without grad are refreshed in place: switching back and forth
+    # must leave each replica holding the tensors of this call.
     model = _flex()
     x = torch.randn(4, 4)
     for grad in (True, False, True, False):
