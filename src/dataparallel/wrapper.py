@@ -10,6 +10,7 @@ a gather that knows each replica's chunk size.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -366,14 +367,18 @@ class DataParallel(nn.Module):
         """The module must be on ``device_ids[0]``: checked in full on the first call, then
         through two sentinel tensors (``model.to(...)`` moves them too), so a deep module does
         not pay a walk over every parameter per call. A misplaced tensor the sentinels miss
-        makes torch raise in the forward, and ``forward`` then runs the full check."""
-        sentinels: list[torch.Tensor] | None = self.__dict__.get("_sentinels")
+        makes torch raise in the forward, and ``forward`` then runs the full check. The
+        sentinels are held weakly: a parameter the user replaces is freed, and the next call
+        checks in full again."""
+        sentinels: list[weakref.ref[torch.Tensor]] | None = self.__dict__.get("_sentinels")
         device = self.src_device_obj
-        if sentinels is not None and all(_same_device(t.device, device) for t in sentinels):
-            return
+        if sentinels is not None:
+            tensors = [ref() for ref in sentinels]
+            if all(t is not None and _same_device(t.device, device) for t in tensors):
+                return
         self._check_module_device_fully()
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        self.__dict__["_sentinels"] = tensors[:1] + tensors[-1:]
+        found = [*self.module.parameters(), *self.module.buffers()]
+        self.__dict__["_sentinels"] = [weakref.ref(t) for t in found[:1] + found[-1:]]
 
     def _check_module_device_fully(self) -> None:
         device = self.src_device_obj
