@@ -138,7 +138,7 @@ def _ptrs(params: list[torch.Tensor]) -> list[int] | None:
 class _ModuleState:
     """One module's part of a :class:`Snapshot`."""
 
-    __slots__ = ("lens", "named", "params", "ptrs", "valued", "values")
+    __slots__ = ("keys", "lens", "named", "params", "ptrs", "valued", "vals")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
@@ -146,7 +146,8 @@ class _ModuleState:
         self.valued: list[dict[Any, Any]] = [d, *(t for t in tables if isinstance(t, dict))]
         self.named: list[dict[Any, Any]] = [t for t in tables[:3] if isinstance(t, dict)]
         self.lens = list(map(len, self.valued))
-        self.values = [*chain.from_iterable(map(_VALUES, self.valued)), *chain(*self.named)]
+        self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
+        self.keys = list(chain.from_iterable(self.named))
         params = d.get("_parameters")
         self.params = [p for p in params.values() if p is not None] if params else []
         self.ptrs = _ptrs(self.params)
@@ -155,12 +156,9 @@ class _ModuleState:
         return (
             list(map(len, self.valued)) == self.lens
             and all(
-                map(
-                    operator.is_,
-                    chain(chain.from_iterable(map(_VALUES, self.valued)), chain(*self.named)),
-                    self.values,
-                )
+                map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals)
             )
+            and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
             and _ptrs(self.params) == self.ptrs
         )
 
@@ -177,16 +175,20 @@ class Snapshot:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self._modules = [_ModuleState(m) for m in modules]
+        self._join()
+
+    def _join(self) -> None:
+        """The tree's flat lists, in the order :meth:`same` reads them: every table's values,
+        then the names."""
         states = self._modules
-        self._valued = [t for s in states for t in s.valued]
-        self._named = [t for s in states for t in s.named]
-        self._lens = [n for s in states for n in s.lens]
-        # The same order as same() reads them: every table's values, then the names.
+        self._valued = list(chain.from_iterable(s.valued for s in states))
+        self._named = list(chain.from_iterable(s.named for s in states))
+        self._lens = list(chain.from_iterable(s.lens for s in states))
         self._values = [
-            *chain.from_iterable(map(_VALUES, self._valued)),
-            *chain.from_iterable(self._named),
+            *chain.from_iterable(s.vals for s in states),
+            *chain.from_iterable(s.keys for s in states),
         ]
-        self._params = [p for s in states for p in s.params]
+        self._params = list(chain.from_iterable(s.params for s in states))
         self._ptrs = _ptrs(self._params)
 
     def same(self) -> bool:
@@ -210,6 +212,12 @@ class Snapshot:
         """The preorder indices of the modules written since the snapshot."""
         return [i for i, state in enumerate(self._modules) if not state.same()]
 
+    def retake(self, modules: list[nn.Module], indices: list[int]) -> None:
+        """Take the modules at ``indices`` again (after their replicas were refilled)."""
+        for i in indices:
+            self._modules[i] = _ModuleState(modules[i])
+        self._join()
+
 
 # Objects whose references are not followed when looking for a way back to the root: leaves,
 # and what lives as long as the program anyway (classes, modules, a function's globals).
@@ -230,7 +238,9 @@ def _referents(obj: Any) -> Iterator[Any]:
         yield from gc.get_referents(obj)
 
 
-def self_referencing(modules: list[nn.Module], limit: int = 20_000) -> bool:
+def self_referencing(
+    modules: list[nn.Module], written: list[int] | None = None, limit: int = 20_000
+) -> bool:
     """Whether what the replicas keep of a tree (every module's attributes and hooks) leads
     back to its root module: a hook that is a bound method, a helper object or config holding
     the module, a closure over it, at any depth.
@@ -238,12 +248,13 @@ def self_referencing(modules: list[nn.Module], limit: int = 20_000) -> bool:
     The process-wide replica table holds the root only weakly; an entry that reached it
     strongly would keep it alive for ever, so such a tree is not kept in that table. A search
     that grows past ``limit`` objects answers ``True``: not caching is always safe.
+    ``written``: only the attributes of these modules (just refilled) are searched from.
     """
     root = modules[0]
     seen = {id(m) for m in modules}  # the tree's modules: their attributes are the start
     stack: list[Any] = []
-    for module in modules:
-        for name, value in module.__dict__.items():
+    for i in range(len(modules)) if written is None else written:
+        for name, value in modules[i].__dict__.items():
             if name not in ("_parameters", "_buffers", "_modules"):
                 stack.append(value)
     while stack:

@@ -80,6 +80,7 @@ class Replicas:
         index = {id(m): i for i, m in enumerate(modules)}
         n = len(devices)
         self.fills = 0  # how many times the dictionaries were refilled (the table re-checks)
+        self.refilled: list[int] = []  # the modules the last refill was for
 
         # torch.compile(child) wraps the child in an OptimizedModule whose compiled forward is
         # bound to the user's child: the replicas look through it to the child's own replica.
@@ -239,9 +240,20 @@ class Replicas:
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
             return None
-        replicas = self._sync(root, None if snapshot is None else snapshot.changed())
-        self.snapshot = Snapshot([root, *self.sources[1:]])  # type: ignore[list-item]
+        modules: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
+        if snapshot is None:
+            replicas = self.sync_once(root)
+            self.snapshot = Snapshot(modules)
+        else:
+            self.refilled = snapshot.changed()
+            replicas = self._sync(root, self.refilled)
+            snapshot.retake(modules, self.refilled)
         return replicas
+
+    def sync_once(self, root: nn.Module) -> list[nn.Module]:
+        """The first sync of a new set, with no snapshot kept (``fresh_replicate``)."""
+        self.refilled = list(range(len(self.sources)))
+        return self._sync(root, None)
 
     def unchanged(self, root: nn.Module) -> bool:
         """Whether ``root``'s structure is still the one these replicas were built for."""
@@ -559,7 +571,7 @@ class Replicas:
 
 
 # A private buffer copy not made yet (the first sync makes it).
-_NOT_YET: Any = torch.empty(0)
+_NOT_YET: Any = object()
 
 # The hook tables a replica holds its own copy of: a hook registered during a replica's forward
 # (lazily, as transformers' output capture does) must land once, on the module, through

@@ -63,16 +63,18 @@ def _replicas_of(
     table: dict[_Devices, Replicas],
     module: nn.Module,
     devices: _Devices,
-    keep: Callable[[list[nn.Module]], bool],
+    keep: Callable[[list[nn.Module], list[int] | None], bool],
 ) -> list[nn.Module]:
     """The replicas of ``module`` on ``devices`` from ``table``, built (and kept there when
-    ``keep`` says so) when it has none for this structure."""
+    ``keep`` says so of the tree, or of the modules just refilled) when it has none for this
+    structure."""
     entry = table.get(devices)
     if entry is not None:
         fills = entry.fills
         replicas = entry.current_replicas(module)
         if replicas is not None:
-            if entry.fills != fills and not keep([module, *entry.sources[1:]]):  # type: ignore[list-item]
+            modules: list[nn.Module] = [module, *entry.sources[1:]]  # type: ignore[list-item]
+            if entry.fills != fills and not keep(modules, entry.refilled):
                 del table[devices]
             return replicas
         del table[devices]
@@ -84,7 +86,7 @@ def _replicas_of(
     replicas = entry.current_replicas(module)
     if replicas is None:  # pragma: no cover - the structure changed while it was being built
         raise RuntimeError("module: its structure changed while its replicas were being built")
-    if keep(modules):
+    if keep(modules, None):
         table[devices] = entry
     return replicas
 
@@ -132,11 +134,11 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
         return _replicas_of(table, module, resolved, _not_self_referencing)
 
 
-def _not_self_referencing(modules: list[nn.Module]) -> bool:
-    return not self_referencing(modules)
+def _not_self_referencing(modules: list[nn.Module], written: list[int] | None) -> bool:
+    return not self_referencing(modules, written)
 
 
-def _always(modules: list[nn.Module]) -> bool:
+def _always(modules: list[nn.Module], written: list[int] | None) -> bool:
     return True
 
 
@@ -175,9 +177,7 @@ def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn
         fingerprint(module)
     except Scripted:
         return replicate_scripted(module, resolved)
-    replicas = Replicas(module, resolved).current_replicas(module)
-    assert replicas is not None  # a set just built matches its module
-    return replicas
+    return Replicas(module, resolved).sync_once(module)
 
 
 def clear_replica_cache(module: nn.Module | None = None) -> None:

@@ -153,10 +153,11 @@ class DataParallel(nn.Module):
         calls.last = value
 
     def __getstate__(self) -> dict[str, Any]:
-        # A thread-local and a lock cannot be pickled or deep-copied: the copy starts with no
-        # last call, a lock of its own and no replicas (they are rebuilt at its first call).
+        # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
+        # starts with no last call, a lock of its own, no replicas and no device sentinels
+        # (made again at its first call).
         state = self.__dict__.copy()
-        for name in ("_calls", "_lock", "_replica_sets"):
+        for name in ("_calls", "_lock", "_replica_sets", "_sentinels"):
             state.pop(name, None)
         return state
 
