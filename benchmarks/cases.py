@@ -321,6 +321,14 @@ def many_module_net(blocks: int = 50) -> nn.Module:
     )
 
 
+class _Counting(nn.Module):
+    """A module outside the replicated tree that counts steps, as metrics modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+
 def case_replicate(settings: Settings) -> list[Case]:
     """(d) ``replicate`` (cached) vs ``fresh_replicate``, 2 and 4 CPU replicas.
 
@@ -371,9 +379,8 @@ def case_replicate(settings: Settings) -> list[Case]:
             )
     net.eval()
     devices = ["cpu", "cpu"]
-    neighbour = nn.Linear(2, 2)
-    neighbour.total = 0
-    inside = net[25][2]  # a ReLU in the middle of the tree
+    neighbour = _Counting()
+    inside = net.get_submodule("25.2")  # a ReLU in the middle of the tree
 
     def after_neighbour_write() -> object:
         neighbour.total += 1
@@ -381,7 +388,7 @@ def case_replicate(settings: Settings) -> list[Case]:
             return replicate(net, devices)
 
     def after_inside_write() -> object:
-        inside.calls = getattr(inside, "calls", 0) + 1
+        setattr(inside, "calls", getattr(inside, "calls", 0) + 1)  # noqa: B010
         with torch.no_grad():
             return replicate(net, devices)
 

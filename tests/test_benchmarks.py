@@ -29,6 +29,8 @@ QUICK_NAMES = {
     "replicate_4x_training",
     "replicate_2x_training_copy",
     "replicate_4x_training_copy",
+    "replicate_2x_neighbour_writes",
+    "replicate_2x_one_module_written",
     "replicate_2x_miss",
 }
 

@@ -260,7 +260,7 @@ def test_hooks_registered_in_forward_land_once_on_the_module(devices: list[str])
     model = LateHooks()
     oracle = copy.deepcopy(model)
     wrapper = dp.DataParallel(model, devices)
-    x = torch.randn(7, 4)
+    x = torch.randn(7, 4, requires_grad=True)  # full backward hooks want an input to follow
     for _ in range(3):
         out = wrapper(x)
         ref = oracle(x)
@@ -425,7 +425,7 @@ def test_random_changes_threads_and_double_forwards(
         elif op in ("thread", "nograd"):
             results: list[Any] = []
 
-            def call() -> None:
+            def call(results: list[Any] = results) -> None:
                 with torch.no_grad(), warnings.catch_warnings():
                     results.append(wrapper(y))
 
@@ -447,9 +447,7 @@ def test_functional_call_through_the_wrapper(devices: list[str]) -> None:
     wrapper = dp.DataParallel(model, devices)
     x = torch.randn(7, 4)
     wrapper(x)  # replicas built and cached first
-    params = {
-        name: (p.detach() * 1.5).requires_grad_() for name, p in oracle.named_parameters()
-    }
+    params = {name: (p.detach() * 1.5).requires_grad_() for name, p in oracle.named_parameters()}
     mine = {f"module.{name}": p.detach().clone().requires_grad_() for name, p in params.items()}
     out = torch.func.functional_call(wrapper, mine, (x,))
     ref = torch.func.functional_call(oracle, params, (x,))

@@ -138,8 +138,10 @@ CHANGES: dict[str, Callable[[Flex], Any]] = {
     "hook table write": lambda m: m.seq[0]._forward_hooks.__setitem__(
         10**9, lambda mod, i, o: o - 1
     ),
-    "training flag in __dict__": lambda m: m.seq[1].__dict__.__setitem__("training", True)
-    or m.bn.__dict__.__setitem__("training", True),
+    "training flag in __dict__": lambda m: (
+        m.seq[1].__dict__.__setitem__("training", True)
+        or m.bn.__dict__.__setitem__("training", True)
+    ),
 }
 SETUP: dict[str, Callable[[Flex], Any]] = {
     "hook removed": _setup_remove_hook,

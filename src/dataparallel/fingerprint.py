@@ -19,7 +19,6 @@ Two checks, one cheap and complete, one exact about structure:
 
 from __future__ import annotations
 
-import functools
 import gc
 import operator
 import types
@@ -138,7 +137,7 @@ def _ptrs(params: list[torch.Tensor]) -> list[int] | None:
 class _ModuleState:
     """One module's part of a :class:`Snapshot`."""
 
-    __slots__ = ("keys", "lens", "named", "params", "ptrs", "valued", "vals")
+    __slots__ = ("keys", "lens", "named", "params", "ptrs", "vals", "valued")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
@@ -155,9 +154,7 @@ class _ModuleState:
     def same(self) -> bool:
         return (
             list(map(len, self.valued)) == self.lens
-            and all(
-                map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals)
-            )
+            and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
             and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
             and _ptrs(self.params) == self.ptrs
         )

@@ -140,8 +140,8 @@ class Replicas:
                 m if i in self.through else m._replicate_for_data_parallel()
                 for i, m in enumerate(modules)
             ]
-            for i, inner in self.through.items():
-                row[i] = row[inner]
+            for i, orig in self.through.items():
+                row[i] = row[orig]
             self.replicas.append(row)
         self.children: list[list[dict[str, nn.Module | None]]] = [
             [
@@ -160,10 +160,7 @@ class Replicas:
         # Private buffers: None where replica j uses the module's own tensor (replica 0 on
         # the buffer's device), else a copy on replica j's device, made by _sync_buffers.
         self.private: list[list[torch.Tensor | None]] = [
-            [
-                None if j == 0 and _key(b.device) == self.keys[0] else _NOT_YET
-                for b in self.buffers
-            ]
+            [None if j == 0 and _key(b.device) == self.keys[0] else _NOT_YET for b in self.buffers]
             for j in range(n)
         ]
         # Per replica: the buffer slots it holds a private copy of (fixed per replica set).

@@ -48,9 +48,7 @@ __all__ = ["ReplicaSets", "clear_replica_cache", "fresh_replicate", "replicate"]
 _Devices = tuple[torch.device, ...]
 
 _LOCK = threading.RLock()
-_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[_Devices, Replicas]] = (
-    weakref.WeakKeyDictionary()
-)
+_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[_Devices, Replicas]] = weakref.WeakKeyDictionary()
 
 
 def _prepare(module: nn.Module, devices: Sequence[DeviceSpec]) -> _Devices:

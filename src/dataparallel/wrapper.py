@@ -166,7 +166,7 @@ class DataParallel(nn.Module):
         lock = self.__dict__.get("_lock")
         if lock is None:  # made lazily: a copied or unpickled wrapper has none
             lock = self.__dict__.setdefault("_lock", threading.RLock())
-        return lock  # type: ignore[no-any-return]
+        return lock
 
     # -- the pipeline -------------------------------------------------------------------------
 
