@@ -285,3 +285,28 @@ def test_training_copies_follow_grad_mode_switches_on_the_fast_path() -> None:
                 out.sum().backward()
                 assert model.fc1.weight.grad is not None
                 model.zero_grad()
+
+
+class Recorder(nn.Module):
+    """Appends the replica object running it to a list the replicas share (as in torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(id(self))
+        return self.lin(x)
+
+
+def test_data_parallel_reuses_its_replicas_across_calls() -> None:
+    import dataparallel as dp
+
+    model = Recorder()
+    x = torch.randn(4, 3)
+    dp.data_parallel(model, x, ["cpu", "cpu"])
+    first = sorted(model.seen)
+    model.seen.clear()
+    dp.data_parallel(model, x, ["cpu", "cpu"])
+    assert sorted(model.seen) == first and len(set(first)) == 2

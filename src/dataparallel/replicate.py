@@ -148,14 +148,19 @@ class ReplicaSets:
     Not thread-safe: the owner runs one call at a time.
     """
 
-    __slots__ = ("module", "sets")
+    __slots__ = ("module", "sets", "shared")
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
         self.module: nn.Module | None = None
         self.sets: dict[_Devices, Replicas] = {}
+        # True: no sets of its own, :func:`replicate`'s process-wide table instead (the
+        # functional form makes a wrapper per call, whose own sets would die with it).
+        self.shared = shared
 
     def replicate(self, module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
         """As :func:`replicate`, from this owner's own sets."""
+        if self.shared:
+            return replicate(module, devices)
         resolved = _prepare(module, devices)
         if isinstance(module, torch.jit.ScriptModule):
             return replicate_scripted(module, resolved)

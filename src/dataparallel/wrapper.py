@@ -496,6 +496,8 @@ def data_parallel(
             f"or put positional arguments in inputs as a tuple"
         )
     wrapper = DataParallel(module, device_ids, output_device, dim, **opts)
+    # One wrapper per call: the replicas live in dp.replicate's table, reused across calls.
+    wrapper.__dict__["_replica_sets"] = ReplicaSets(shared=True)
     return wrapper(*args, **(module_kwargs or {}))
 
 
