@@ -60,6 +60,15 @@ CASE_TEXT = {
         "fresh replicas",
     ),
     "replicate_4x_training_copy": ("the same on 4 devices `cpu`, `cpu:1`..", "fresh replicas"),
+    "replicate_2x_neighbour_writes": (
+        "cached `replicate`, 2 replicas, inference, each call after a write to a module outside "
+        "the tree",
+        "fresh replicas",
+    ),
+    "replicate_2x_one_module_written": (
+        "the same, each call after a write to one module of the tree (its replicas refilled)",
+        "fresh replicas",
+    ),
     "replicate_2x_miss": (
         "`replicate` after `clear_replica_cache` (a cache miss), 2 replicas",
         "fresh replicas",
