@@ -10,6 +10,7 @@ says what works instead: compile the wrapper, ``torch.compile(dp.DataParallel(mo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -19,9 +20,12 @@ __all__ = ["check_not_compiled", "compiled_class"]
 
 
 def compiled_class() -> type | None:
-    """``torch.compile``'s module wrapper class (``OptimizedModule``), where torch has one."""
-    dynamo = getattr(torch, "_dynamo", None)
-    eval_frame = getattr(dynamo, "eval_frame", None) if dynamo is not None else None
+    """``torch.compile``'s module wrapper class (``OptimizedModule``), where torch has one.
+
+    ``None`` while dynamo is not imported: then nothing can have been compiled, and importing
+    it here (about a second) would only find that out.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return getattr(eval_frame, "OptimizedModule", None)
 
 
