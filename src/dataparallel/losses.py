@@ -18,7 +18,7 @@ it made later (``loss.label_smoothing = 0.1``, ``loss.reduction = "sum"``) is ho
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ __all__ = [
 ScalarWeights = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def is_exact_mean(criterion: Any) -> bool:
+def is_exact_mean(criterion: Any) -> TypeGuard[nn.modules.loss._Loss]:
     """True when ``criterion`` is, as it stands now, one of torch's mean-reduced losses whose
     mean :class:`SumAndCount` can take exactly.
 
@@ -60,7 +60,7 @@ def is_exact_mean(criterion: Any) -> bool:
 def exact_parts(criterion: Callable[..., Any]) -> SumAndCount | None:
     """A :class:`SumAndCount` for ``criterion`` when :func:`is_exact_mean` holds, else
     ``None``."""
-    return SumAndCount(criterion) if is_exact_mean(criterion) else None  # type: ignore[arg-type]
+    return SumAndCount(criterion) if is_exact_mean(criterion) else None
 
 
 def _unreduced(criterion: nn.Module) -> Any:
