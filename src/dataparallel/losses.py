@@ -11,60 +11,86 @@ torch's own mean-reduced losses, ``DataParallelCriterion`` does that through
 of its losses and its share of the denominator (the summed class weights of the targets that
 are not ``ignore_index`` for ``CrossEntropyLoss``/``NLLLoss`` with class-index targets, the
 number of loss elements otherwise), and :func:`combine` divides the global sum by the global
-denominator.
+denominator. The loss is read as it is on each call, never copied at construction: a change to
+it made later (``loss.label_smoothing = 0.1``, ``loss.reduction = "sum"``) is honoured.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
-__all__ = ["ScalarWeights", "SumAndCount", "chunk_weights", "combine", "exact_parts"]
+__all__ = [
+    "ScalarWeights",
+    "SumAndCount",
+    "chunk_weights",
+    "combine",
+    "exact_parts",
+    "is_exact_mean",
+]
 
 # DataParallel's scalar_weights: a chunk's positional arguments and keyword arguments -> its
 # weight in the mean of scalar outputs (a number or a 0-dim tensor).
 ScalarWeights = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def exact_parts(criterion: Callable[..., Any]) -> SumAndCount | None:
-    """A :class:`SumAndCount` for ``criterion`` when it is one of torch's mean-reduced losses.
+def is_exact_mean(criterion: Any) -> TypeGuard[nn.modules.loss._Loss]:
+    """True when ``criterion`` is, as it stands now, one of torch's mean-reduced losses whose
+    mean :class:`SumAndCount` can take exactly.
 
-    ``None`` for anything else: a loss written by the user (whose ``reduction`` attribute, if
-    any, may not mean what torch's does), another reduction, or ``CTCLoss`` (whose mean is a
-    mean over samples, which chunk weighting already gets exactly).
+    Read on every call, so a change made to the loss after construction
+    (``loss.reduction = "sum"``) is followed. False for anything else: a loss written by the
+    user (whose ``reduction`` attribute, if any, may not mean what torch's does), another
+    reduction, or ``CTCLoss`` (whose mean is a mean over samples, which chunk weighting
+    already gets exactly).
     """
     if not isinstance(criterion, nn.modules.loss._Loss) or criterion.reduction != "mean":
-        return None
+        return False
     if isinstance(criterion, nn.CTCLoss):
-        return None
+        return False
     # The class whose forward runs must be torch's: a subclass that overrides forward is the
     # user's, and its reduction attribute may not mean what torch's does.
     owner = next(base for base in type(criterion).__mro__ if "forward" in vars(base))
-    if not owner.__module__.startswith("torch.nn."):
-        return None
-    return SumAndCount(criterion)
+    return bool(owner.__module__.startswith("torch.nn."))
+
+
+def exact_parts(criterion: Callable[..., Any]) -> SumAndCount | None:
+    """A :class:`SumAndCount` for ``criterion`` when :func:`is_exact_mean` holds, else
+    ``None``."""
+    return SumAndCount(criterion) if is_exact_mean(criterion) else None
+
+
+def _unreduced(criterion: nn.Module) -> Any:
+    """A view of ``criterion`` with ``reduction="none"``: a new object of its type whose
+    ``__dict__`` is a copy of the criterion's as it is now (its parameter, buffer and hook
+    tables shared), so its current ``weight``, ``ignore_index`` and ``label_smoothing`` apply
+    and the criterion itself is never written (replica 0 is the user's own loss object, and
+    another thread may be using it)."""
+    view = object.__new__(type(criterion))
+    view.__dict__.update(criterion.__dict__)
+    view.__dict__["reduction"] = "none"
+    return view
 
 
 class SumAndCount(nn.Module):
     """Runs a mean-reduced torch loss as ``(sum of its losses, its denominator)``.
 
-    The criterion is copied with ``reduction="none"``; the user's object is not changed.
+    It holds the user's loss itself, not a copy: each call runs a ``reduction="none"`` view of
+    the loss as it is at that moment, so later changes to it (``label_smoothing``,
+    ``ignore_index``, ``weight``) are honoured. The user's object is never changed.
     """
 
     def __init__(self, criterion: nn.Module) -> None:
         super().__init__()
-        unreduced: Any = copy.copy(criterion)  # its own __dict__: the original keeps "mean"
-        unreduced.reduction = "none"
-        self.criterion = unreduced
+        self.criterion = criterion
         self.by_class = isinstance(criterion, (nn.NLLLoss, nn.CrossEntropyLoss))
 
     def forward(self, output: Any, target: Any, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum of the unreduced losses, the denominator torch's mean divides by)``."""
-        criterion: Any = self.criterion
+        criterion = _unreduced(self.criterion)
         losses = criterion(output, target, *rest)
         total = losses.sum()
         if self.by_class and isinstance(target, torch.Tensor) and not target.is_floating_point():

@@ -10,6 +10,8 @@ only wait otherwise (so slot 0 of a device gets a worker only when it is not rep
 Each task replays the caller's context in its worker:
 
 - grad mode (``torch.is_grad_enabled()``);
+- inference mode, a default device (``torch.set_default_device``) and the caller's
+  ``contextvars`` (see :mod:`dataparallel.thread_state`);
 - autocast: the state (enabled, dtype) for the replica's device type, and the CPU autocast
   state too when the device is not the CPU;
 - on CUDA, the device (``torch.cuda.device``) and a stream: the first replica on a device runs
@@ -17,6 +19,10 @@ Each task replays the caller's context in its worker:
   gets one pool-owned side stream per extra slot, so replicas on one GPU overlap: the side
   stream first waits for the caller's stream (inputs are ready), and the caller's stream then
   waits for the side stream (outputs are ready before the caller uses them).
+
+State a worker cannot share (a ``torch.func`` transform, a dispatch mode or another function
+mode, saved-tensor hooks) makes the call run every replica inline on the caller's thread, one
+after another, so the result is one device's (:mod:`dataparallel.thread_state`).
 
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
@@ -30,6 +36,7 @@ shapes, and chained from the original (whose traceback shows). Workers survive e
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import queue
 import threading
@@ -40,8 +47,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from dataparallel import thread_state
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
 from dataparallel.spans import Span, cuda_pool
+from dataparallel.thread_state import Replay
 
 __all__ = ["apply_replicas", "describe_inputs", "parallel_apply"]
 
@@ -80,12 +89,14 @@ class _Task:
         "args",
         "autocast",
         "cancelled",
+        "context",
         "device",
         "done",
         "error",
         "grad",
         "kwargs",
         "module",
+        "replay",
         "result",
         "side",
         "span",
@@ -115,6 +126,10 @@ class _Task:
         self.side = side  # a pool side stream for a repeated CUDA device, else None
         self.sync = sync  # time the replica (on CUDA: with pooled events, read later)
         self.span: Span | None = None
+        # Set by apply_replicas for a task that goes to a worker: the caller's thread state
+        # to enter there, and a copy of its contextvars (None when it has none).
+        self.replay: Replay = ()
+        self.context: contextvars.Context | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self.cancelled = False
@@ -124,7 +139,7 @@ class _Task:
 
 def _execute(task: _Task) -> None:
     """Run one task with the caller's context; never raises (errors are stored)."""
-    if task.stream is None and not task.autocast:
+    if task.stream is None and not task.autocast and not task.replay:
         # A CPU replica without autocast: only the grad mode to replay. Set as a function (no
         # context manager to build and exit): the worker's thread sets it for every task.
         try:
@@ -138,6 +153,8 @@ def _execute(task: _Task) -> None:
             stack.enter_context(torch.set_grad_enabled(task.grad))
             for device_type, dtype in task.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            for enter in task.replay:
+                stack.enter_context(enter())
             stream = None
             if task.stream is not None:
                 stack.enter_context(torch.cuda.device(task.device))
@@ -192,8 +209,12 @@ class _Worker:
         while True:
             task = self.tasks.get()
             try:
-                if not task.cancelled:
+                if task.cancelled:
+                    pass
+                elif task.context is None:
                     _execute(task)
+                else:
+                    task.context.run(_execute, task)
             finally:
                 task.done.release()
                 del task  # drop the module and outputs before blocking again
@@ -254,7 +275,9 @@ def describe_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = No
     return f"({', '.join(parts)})"
 
 
-def _reraise(tasks: list[_Task]) -> None:
+def _reraise(tasks: list[_Task], why: str = "") -> None:
+    """Raise the first stored error as described in the module docstring; ``why`` is added
+    to the message when the replicas ran inline because of the caller's thread state."""
     failed = [i for i, t in enumerate(tasks) if t.error is not None]
     if not failed:
         return
@@ -271,6 +294,11 @@ def _reraise(tasks: list[_Task]) -> None:
         f"replica {i} on {task.device}, inputs {describe_inputs(task.args, task.kwargs)}: "
         f"{original}{others}"
     )
+    if why:
+        message += (
+            f" (the replicas ran one after another on the calling thread, under {why}; it "
+            f"fails the same way on one device, or the transform or mode cannot run this module)"
+        )
     error: BaseException
     if isinstance(original, SystemExit):
         error = SystemExit(original.code)  # the exit status is the message: keep it
@@ -421,17 +449,29 @@ def apply_replicas(
         tasks.append(_Task(module, args, kwargs, device, grad, autocast, stream, side, sync))
         worker_slots.append(slot)
 
+    why = ""
     if n == 1:  # one replica: no hop is cheaper
         _execute_first(tasks[0])
     elif getattr(_local, "in_worker", False):  # inside a worker: never wait on our own pool
         for task in tasks:
             _execute(task)
+    elif thread_state.must_run_inline():  # state the workers cannot share: run it here
+        for task in tasks:
+            _execute_first(task)
+        if any(t.error is not None for t in tasks):
+            why = thread_state.active_state()
     else:
+        replay = thread_state.replay()
+        context = thread_state.copy_context()
+        for task in tasks[1:]:
+            task.replay = replay
+            if len(context):  # one copy per task: a context is entered by one thread at once
+                task.context = context.copy()
         _run_on_pool(tasks, worker_slots)
 
     if timings is not None:
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
-    _reraise(tasks)
+    _reraise(tasks, why)
     return [t.result for t in tasks]
 
 

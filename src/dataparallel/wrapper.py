@@ -27,7 +27,7 @@ from dataparallel.gather import (
     gather,
     gather_one,
 )
-from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
+from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, is_exact_mean
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
@@ -516,7 +516,12 @@ class DataParallelCriterion(nn.Module):
         output_device: where the loss lands; default the first output's device.
         dim: the batch dimension of the targets.
         scalars: ``"mean"`` for mean-reduced criteria, ``"sum"`` for sum-reduced ones;
-            ``None`` (default) reads the criterion's ``reduction`` (``"sum"`` sums, else mean).
+            ``None`` (default) reads the criterion's ``reduction`` on each call (``"sum"``
+            sums, else mean).
+
+    The criterion is used as it is on each call, not copied: a change made to it after
+    construction (``loss.label_smoothing = 0.1``, ``ignore_index``, ``reduction``, ``weight``,
+    or ``self.criterion = other``) applies from the next call on, as on one device.
     """
 
     def __init__(
@@ -535,17 +540,39 @@ class DataParallelCriterion(nn.Module):
                 f"function such as F.cross_entropy, got {type(criterion).__name__}; pass one"
             )
         self.criterion = criterion
-        if scalars is None:
-            scalars = "sum" if getattr(criterion, "reduction", None) == "sum" else "mean"
         self.device_ids = resolve_devices(device_ids)
         self.output_device = (
             None if output_device is None else target_device(output_device, where="output_device")
         )
         self.dim = dim
-        self.scalars = _check_scalars(scalars)
-        # torch's mean-reduced losses: sum per device, divide once by the global count
-        # (kept out of the module tree, so state_dict is the criterion's alone)
-        self.__dict__["_exact"] = exact_parts(criterion) if self.scalars == "mean" else None
+        self._scalars: ScalarMode | None = None if scalars is None else _check_scalars(scalars)
+        # torch's mean-reduced losses: sum per device, divide once by the global count. One
+        # SumAndCount per criterion object, made on first use and kept (its replicas are
+        # cached with it); kept out of the module tree, so state_dict is the criterion's alone.
+        self.__dict__["_exact"] = None
+
+    @property
+    def scalars(self) -> ScalarMode:
+        """How per-device scalar losses combine: the ``scalars`` given, else read from the
+        criterion's ``reduction`` now (``"sum"`` sums, else ``"mean"``)."""
+        if self._scalars is not None:
+            return self._scalars
+        return "sum" if getattr(self.criterion, "reduction", None) == "sum" else "mean"
+
+    @scalars.setter
+    def scalars(self, value: str | None) -> None:
+        self._scalars = None if value is None else _check_scalars(value)
+
+    def _exact_runner(self) -> SumAndCount | None:
+        """The SumAndCount for the criterion as it is now, or None when its mean is not one
+        to take exactly (another reduction, a loss of the user's, ``scalars="sum"``)."""
+        criterion = self.criterion
+        if self.scalars != "mean" or not is_exact_mean(criterion):
+            return None
+        exact: SumAndCount | None = self.__dict__["_exact"]
+        if exact is None or exact.criterion is not criterion:
+            exact = self.__dict__["_exact"] = SumAndCount(criterion)
+        return exact
 
     def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
         """The loss of ``outputs`` against ``targets``, computed where the outputs are."""
@@ -568,7 +595,7 @@ class DataParallelCriterion(nn.Module):
         if len(outputs) == 1:
             losses = [self.criterion(*args[0], **chunk_kwargs[0])]
         else:
-            exact: SumAndCount | None = self.__dict__["_exact"]
+            exact = self._exact_runner()
             runner = exact or self.criterion
             # A loss function has no state to copy: every device calls it as it is.
             replicas: Any = (
