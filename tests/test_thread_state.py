@@ -108,15 +108,6 @@ def test_vmap_of_grad_per_sample_equals_one_device(devices: list[str]) -> None:
     torch.testing.assert_close(per_sample(w)(x), per_sample(net)(x))
 
 
-SWAPPED = pytest.mark.xfail(
-    strict=False,
-    reason="replicas seeing parameters swapped by functional_call (and the change check "
-    "reading their data pointers under torch.func) is the replica side of issue 20 (item 1), "
-    "done separately; the thread side is here",
-)
-
-
-@SWAPPED
 def test_grad_of_parameters_through_functional_call_with_the_modules_own_values(
     devices: list[str],
 ) -> None:
@@ -130,7 +121,6 @@ def test_grad_of_parameters_through_functional_call_with_the_modules_own_values(
         torch.testing.assert_close(got[f"module.{name}"], value)
 
 
-@SWAPPED
 def test_functional_call_with_other_parameters_equals_one_device(devices: list[str]) -> None:
     net, x = _net(), _x()
     w = dp.DataParallel(net, devices)
