@@ -107,10 +107,12 @@ def signature(modules: list[nn.Module]) -> list[Any]:
     return sig
 
 
-# A module's tables whose contents a replica copies: their values (and, for the first three,
-# their names) are part of the snapshot. The other hook tables (state_dict and load hooks) do
-# not change what a replica computes, and the ``*_with_kwargs``/``*_always_called`` tables only
-# ever change together with the forward hook tables.
+# A module's tables whose contents a replica copies: the values and names of the first three
+# are part of the snapshot, and the length of the hook tables (a hook is added or removed
+# through torch's methods, which always change the count; rewriting an entry in place is not
+# seen). The other hook tables (state_dict and load hooks) do not change what a replica
+# computes, and the ``*_with_kwargs``/``*_always_called`` tables only ever change together
+# with the forward hook tables.
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -137,14 +139,16 @@ def _ptrs(params: list[torch.Tensor]) -> list[int] | None:
 class _ModuleState:
     """One module's part of a :class:`Snapshot`."""
 
-    __slots__ = ("keys", "lens", "named", "params", "ptrs", "vals", "valued")
+    __slots__ = ("counted", "keys", "lens", "named", "params", "ptrs", "vals", "valued")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
-        tables = [d.get(k) for k in (*_STRUCTURE, *_HOOKS)]
+        tables = [d.get(k) for k in _STRUCTURE]
         self.valued: list[dict[Any, Any]] = [d, *(t for t in tables if isinstance(t, dict))]
-        self.named: list[dict[Any, Any]] = [t for t in tables[:3] if isinstance(t, dict)]
-        self.lens = list(map(len, self.valued))
+        self.named: list[dict[Any, Any]] = self.valued[1:]
+        hooks = [d.get(k) for k in _HOOKS]
+        self.counted: list[Any] = [*self.valued, *(t for t in hooks if isinstance(t, dict))]
+        self.lens = list(map(len, self.counted))
         self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
         self.keys = list(chain.from_iterable(self.named))
         params = d.get("_parameters")
@@ -153,7 +157,7 @@ class _ModuleState:
 
     def same(self) -> bool:
         return (
-            list(map(len, self.valued)) == self.lens
+            list(map(len, self.counted)) == self.lens
             and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
             and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
             and _ptrs(self.params) == self.ptrs
@@ -168,7 +172,16 @@ class Snapshot:
     holds the values it saw, so an identity cannot be reused by a new object while it is kept.
     """
 
-    __slots__ = ("_lens", "_modules", "_named", "_params", "_ptrs", "_valued", "_values")
+    __slots__ = (
+        "_counted",
+        "_lens",
+        "_modules",
+        "_named",
+        "_params",
+        "_ptrs",
+        "_valued",
+        "_values",
+    )
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self._modules = [_ModuleState(m) for m in modules]
@@ -179,6 +192,7 @@ class Snapshot:
         then the names."""
         states = self._modules
         self._valued = list(chain.from_iterable(s.valued for s in states))
+        self._counted = list(chain.from_iterable(s.counted for s in states))
         self._named = list(chain.from_iterable(s.named for s in states))
         self._lens = list(chain.from_iterable(s.lens for s in states))
         self._values = [
@@ -191,7 +205,7 @@ class Snapshot:
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot (one pass, in C)."""
         return (
-            list(map(len, self._valued)) == self._lens
+            list(map(len, self._counted)) == self._lens
             and all(
                 map(
                     operator.is_,
