@@ -236,3 +236,56 @@ def test_torch_save_round_trips(tmp_path: Path) -> None:
     again.load_state_dict(state)
     _weights_equal(model, again.module, "torch.save wrapper")
     assert again(**data).loss.item() == pytest.approx(wrapper(**data).loss.item(), abs=1e-6)
+
+
+class _LMRows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Language-model rows with right padding labelled -100: chunks hold different numbers of
+    labelled tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.n = text_batch(n, seed=6), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.data.items()}
+
+
+@pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
+def test_trainer_token_loss_with_num_items_in_batch(
+    devices: list[str], batch: int, tmp_path: Path
+) -> None:
+    """A causal LM under Trainer: Trainer passes num_items_in_batch (the forward takes
+    **kwargs), each chunk's loss is its token sum over the global count, so scalars="sum"
+    makes the step the one-device step."""
+    from ._models import tiny_gpt2
+
+    def run(model: nn.Module, out: Path) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=batch,
+            max_steps=2,
+            optim="sgd",
+            learning_rate=0.5,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            use_cpu=True,
+            save_strategy="no",
+            report_to=[],
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_LMRows(batch))
+        assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref_model = tiny_gpt2()
+    ref_model.config.use_cache = False
+    model = copy.deepcopy(ref_model)
+    ref = run(ref_model, tmp_path / "one")
+    par = run(dp.DataParallel(model, devices, scalars="sum"), tmp_path / "par")
+    assert par == pytest.approx(ref, abs=1e-5)
+    _weights_equal(ref_model, model, f"Trainer gpt2 num_items_in_batch {devices}")
