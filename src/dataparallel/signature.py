@@ -65,14 +65,15 @@ class PresentedForward:
         self.func = func
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+    def __get__(self, obj: Any, owner: type | None = None, _bind: type = MethodType) -> Any:
+        # The hot path (nn.Module.__call__ looks forward up on every call): one dict lookup
+        # and a bound method, as for any method, plus this frame (about 0.1 µs).
         if obj is None:
             return self.func
-        # The hot path: one dict lookup and a bound method, as for any method.
         try:
-            return MethodType(obj.__dict__[SLOT], obj)
+            return _bind(obj.__dict__[SLOT], obj)
         except KeyError:
-            return MethodType(self.attach(obj), obj)
+            return _bind(self.attach(obj), obj)
 
     def attach(self, obj: Any) -> FunctionType:
         """Make ``obj``'s per-instance forward, on its first use (also after unpickling)."""
