@@ -33,6 +33,7 @@ from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
 from dataparallel.replicate import ReplicaSets, replicate
 from dataparallel.scatter import take
+from dataparallel.signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.warn import warn_user
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
@@ -159,6 +160,7 @@ class DataParallel(nn.Module):
         state = self.__dict__.copy()
         for name in ("_calls", "_lock", "_replica_sets", "_sentinels"):
             state.pop(name, None)
+        state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
 
     def _call_lock(self) -> threading.RLock:
@@ -170,12 +172,18 @@ class DataParallel(nn.Module):
 
     # -- the pipeline -------------------------------------------------------------------------
 
+    # inspect.signature(wrapper) and inspect.signature(wrapper.forward) name the module's
+    # parameters, so signature-driven code (Trainer's column filter) sees the module's.
+    __signature__ = PresentedSignature()
+
+    @PresentedForward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Plan the call, then per wave scatter, replicate and apply; gather the outputs.
 
         One path for every call: on one device the plan has one chunk, reused from the last
         call while the arguments' signature holds, its scatter moves nothing, and the module is
-        its own replica, run on the caller's thread.
+        its own replica, run on the caller's thread. Introspection sees the module's signature
+        (``dataparallel.signature``).
 
         Calls through one wrapper run one at a time (a training thread and an evaluation
         thread sharing it take turns): its replicas are one set of objects, re-synced for each
