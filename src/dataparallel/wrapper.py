@@ -45,13 +45,16 @@ def _check_scalars(scalars: str) -> ScalarMode:
     return cast(ScalarMode, scalars)
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.DataParallel):
     """Run ``module`` over several devices on one batch, split by the batch rules.
 
-    A drop-in for ``torch.nn.DataParallel``: same positional arguments, ``.module``, state_dict
-    keys ``module.*`` and overridable ``scatter``, ``replicate``, ``parallel_apply`` and
-    ``gather``. It also runs on CPU device lists, splits per-sample lists, never drops samples,
-    and reuses its replicas between calls.
+    A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
+    ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` and
+    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
+    CPU device lists, splits per-sample lists, never drops samples, and reuses its replicas
+    between calls. torch's ``__init__`` is not run (it refuses CPU lists and repeated
+    devices); every attribute torch's methods read is set here.
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
@@ -77,6 +80,11 @@ class DataParallel(nn.Module):
     (torch.Size([10, 2]), [4, 3, 3])
     """
 
+    # torch's meaning (the devices used, where the output lands), as ``torch.device`` objects:
+    # a CPU list has no CUDA index to hold.
+    device_ids: list[torch.device]  # type: ignore[assignment]
+    output_device: torch.device  # type: ignore[assignment]
+
     def __init__(
         self,
         module: nn.Module,
@@ -94,10 +102,11 @@ class DataParallel(nn.Module):
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
     ) -> None:
-        super().__init__()
+        # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
+        nn.Module.__init__(self)
         _check_module(module)
         self.module = module
-        self.device_ids: list[torch.device] = resolve_devices(device_ids)
+        self.device_ids = resolve_devices(device_ids)
         check_runnable(self.device_ids)
         self.output_device = (
             self.device_ids[0]
