@@ -285,13 +285,6 @@ ERRORS = [
         r"pass a dict",
     ),
     Err(
-        "empty-batch",
-        lambda: dp.scatter(torch.zeros(0, 5), CPU2),
-        ValueError,
-        "batch size is 0",
-        "skip the call",
-    ),
-    Err(
         "split-bad-dim",
         lambda: dp.scatter(dp.Split(x10(), dim=5), CPU2),
         ValueError,

@@ -540,8 +540,9 @@ class DataParallelCriterion(nn.Module):
             kwargs,
             devices,
             self.dim,
-            batch_size=sum(sizes),
-            chunk_sizes=sizes,
+            # an empty batch (one chunk of 0) is decided by the targets' vote
+            batch_size=sum(sizes) or None,
+            chunk_sizes=sizes if sum(sizes) else None,
             strict=True,
         )
         chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
