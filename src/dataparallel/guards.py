@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from dataparallel.tree import MAX_DEPTH, describe, rebuild_mapping
-from dataparallel.warn import warn_user
 
 __all__ = [
     "check_batch_size_used",
@@ -29,7 +28,6 @@ __all__ = [
     "dim_out_of_range",
     "replicate_scripted",
     "too_deep",
-    "warn_counts",
 ]
 
 # ---------------------------------------------------------------------------- the batch rules
@@ -112,8 +110,9 @@ def concat_error(
     return ValueError(
         f"{where}: cannot concatenate the replicas' outputs along dim {dim}: "
         f"{_shapes(values, sizes)}; expected the same shape on every replica except along dim "
-        f"{dim}. Return the same shape from every replica, or use gather=False to handle the "
-        f"per-replica outputs yourself"
+        f"{dim}. Return the same shape from every replica, say where its batch is with "
+        f"output_rules={{{where!r}: dim}}, or use gather=False to handle the per-replica "
+        f"outputs yourself"
     )
 
 
@@ -133,18 +132,9 @@ def check_chunk_sizes_of(
             f"chunk of {sizes[wrong]} sample(s), expected its chunk size along dim {dim} "
             f"({_shapes(values, sizes)}); a batch dimension squeezed away for one sample looks "
             f"like this. Keep the batch dimension (squeeze(-1) rather than squeeze()), return "
-            f"the same value on every replica, or use gather=False"
+            f"the same value on every replica, say where its batch is with "
+            f"output_rules={{{where()!r}: dim}} (an RNN's h_n/c_n: 1), or use gather=False"
         )
-
-
-def warn_counts(where: str) -> None:
-    """Say that differing integer scalars were summed under ``scalars="mean"``."""
-    warn_user(
-        f"{where}: an integer scalar that differs across replicas is a count, so it is summed "
-        f"(what one device returns), not averaged into a float; pass scalars='sum' to say so "
-        f"and silence this, or return a float (or a float tensor) to get the chunk-weighted "
-        f"mean"
-    )
 
 
 # ---------------------------------------------------------------------------- replicate

@@ -27,6 +27,7 @@ from dataparallel.gather import (
     gather_one,
 )
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, exact_parts
+from dataparallel.output_rules import check_output_rules
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
@@ -73,6 +74,11 @@ class DataParallel(nn.DataParallel):
             in place of its size: for a loss computed in ``forward`` as a mean over tokens,
             return the chunk's count of labelled tokens and the gathered loss is the
             one-device one. Ignored when ``gather`` is overridden.
+        output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
+            gather them, by the path gather's messages print: an int is the output's batch
+            dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
+            ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
+            replica). Ignored when ``gather`` is overridden.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -101,6 +107,7 @@ class DataParallel(nn.DataParallel):
         scalars: str = "mean",
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
+        output_rules: Mapping[str, int | str] | None = None,
     ) -> None:
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
@@ -138,6 +145,7 @@ class DataParallel(nn.DataParallel):
                 f"{type(scalar_weights).__name__}; e.g. lambda a, kw: (kw['labels'] != -100).sum()"
             )
         self.scalar_weights = scalar_weights
+        self.output_rules = check_output_rules(output_rules)
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()
 
@@ -301,7 +309,8 @@ class DataParallel(nn.DataParallel):
             return self.gather(outputs, self.output_device)
         if len(outputs) == 1 and self.scalars != "stack":
             return gather_one(outputs[0], self.output_device)
-        if not steps.scatter:
+        rules = self.__dict__.get("output_rules")  # (a wrapper unpickled from before has none)
+        if not steps.scatter and not rules:
             out = concat_batched(outputs, self.output_device, self.dim, sizes)
             if out is not None:
                 return out
@@ -312,6 +321,8 @@ class DataParallel(nn.DataParallel):
             chunk_sizes=None if steps.scatter else sizes,  # an override chose the chunks
             scalars=self.scalars,
             scalar_weights=weights or None,
+            output_rules=rules,
+            module=self.module,
         )
 
     # -- torch's overridable steps ----------------------------------------------------------
@@ -345,7 +356,7 @@ class DataParallel(nn.DataParallel):
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """torch's signature: one output on ``output_device``, chunk sizes inferred."""
-        return gather(outputs, output_device, self.dim, scalars=self.scalars)
+        return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
         """The plan this wrapper would follow for these arguments; runs nothing."""
