@@ -25,7 +25,12 @@ from torch import nn
 
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
-from dataparallel.guards import check_chunk_sizes_of, concat_error
+from dataparallel.guards import (
+    check_chunk_sizes_of,
+    check_gather_sizes,
+    check_scalar_weights,
+    concat_error,
+)
 from dataparallel.output_rules import (
     check_output_rules,
     rnn_state_shapes,
@@ -47,12 +52,15 @@ from dataparallel.outputs import (
     STRUCTURES,
     TENSOR,
     TUPLE,
+    all_equal,
+    arrays_equal,
     fields_of,
     fmt,
     kind_of,
     rebuild_dataclass,
     rebuild_mapping_like,
     rebuild_seq,
+    sum_all,
     to_target,
 )
 from dataparallel.packed import gather_packed, is_packed
@@ -185,7 +193,7 @@ def gather(
         raise ValueError(f"dim: expected an int (the batch dimension), got {dim!r}; pass e.g. 0")
     dim = operator.index(dim)
     target = resolve_target(target_device)
-    sizes = None if chunk_sizes is None else _check_chunk_sizes(chunk_sizes, len(values))
+    sizes = None if chunk_sizes is None else check_gather_sizes(chunk_sizes, len(values))
     rules = check_output_rules(output_rules)
     try:
         if len(values) == 1 and scalars != "stack" and not rules:
@@ -195,7 +203,9 @@ def gather(
         if sizes is None:
             found = [first_batch_size(v, dim) for v in values]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
-        weights = None if scalar_weights is None else _check_weights(scalar_weights, len(values))
+        weights = (
+            None if scalar_weights is None else check_scalar_weights(scalar_weights, len(values))
+        )
         ctx = _Context(target, dim, sizes, scalars, len(values), weights)
         ctx.module, ctx.rules = module, rules or None
         out = _gather(values, None, ctx)
@@ -237,46 +247,6 @@ def concat_batched(
         return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
     except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
         return None
-
-
-def _check_weights(scalar_weights: Sequence[float], n: int) -> tuple[float, ...]:
-    weights = []
-    for i, w in enumerate(scalar_weights):
-        try:
-            value = float(w)
-        except (TypeError, ValueError, RuntimeError):
-            value = -1.0
-        if isinstance(w, bool) or not value >= 0 or value == float("inf"):
-            raise ValueError(
-                f"scalar_weights[{i}]: expected a finite number >= 0 (that chunk's weight in "
-                f"the mean of scalar outputs), got {w!r}; return a count such as the number "
-                f"of labels that are not -100"
-            )
-        weights.append(value)
-    if len(weights) != n:
-        raise ValueError(
-            f"scalar_weights: expected one weight per output ({n}), got {len(weights)}; pass "
-            f"one per replica, in batch order"
-        )
-    return tuple(weights)
-
-
-def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
-    sizes = []
-    for i, size in enumerate(chunk_sizes):
-        if isinstance(size, bool) or not hasattr(size, "__index__") or operator.index(size) < 0:
-            raise ValueError(
-                f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}; pass the "
-                f"plan's chunk_sizes, or None to read them from the outputs"
-            )
-        sizes.append(operator.index(size))
-    if len(sizes) != n:
-        raise ValueError(
-            f"chunk_sizes: expected one size per output ({n}), got {len(sizes)}: "
-            f"{list(chunk_sizes)!r}; pass the plan's chunk_sizes, or None to read them from "
-            f"the outputs"
-        )
-    return tuple(sizes)
 
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
@@ -328,7 +298,7 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
-        if _arrays_equal(values):
+        if arrays_equal(values):
             return values[0]
         if ctx.sizes is not None:
             check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
@@ -356,7 +326,7 @@ def _hidden_state(values: list[Any], ctx: _Ctx) -> bool:
         return True
     if all(lead == size for size in ctx.sizes):
         return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
-    return not _arrays_equal(values)
+    return not arrays_equal(values)
 
 
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
@@ -376,18 +346,6 @@ def _batched(values: list[Any], ctx: _Ctx) -> bool:
         -v.ndim <= dim < v.ndim and v.shape[dim] == size
         for v, size in zip(values, ctx.sizes, strict=True)
     )
-
-
-def _arrays_equal(values: list[Any]) -> bool:
-    first = values[0]
-    equal = torch.equal if isinstance(first, torch.Tensor) else np.array_equal
-    try:
-        return all(
-            v is first or (v.shape == first.shape and v.dtype == first.dtype and equal(v, first))
-            for v in values
-        )
-    except Exception:  # object arrays whose items refuse ==
-        return False
 
 
 def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
@@ -431,16 +389,16 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if ctx.scalars == "sum" or counts:
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
-            return _sum(tensors)
+            return sum_all(tensors)
         return _tensor_mean(tensors, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
-        return _sum(plain)
+        return sum_all(plain)
     if all(isinstance(v, numbers.Integral) for v in plain):
         return _gather_ints(values, plain, path, ctx)
-    if _all_equal(plain):
+    if all_equal(plain):
         return values[0]  # a constant keeps its type
-    return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
+    return sum_all([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
 
 
 def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -451,13 +409,13 @@ def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) ->
     warning naming ``output_rules``."""
     sizes = ctx.sizes
     if sizes is not None and all(v == n for v, n in zip(plain, sizes, strict=True)):
-        total = _sum(plain)
+        total = sum_all(plain)
         if len(set(sizes)) == 1:
             warn_even_count(fmt(path), values[0], sizes[0], total)
         return total
-    if _all_equal(plain):
+    if all_equal(plain):
         return values[0]
-    return _sum(plain)
+    return sum_all(plain)
 
 
 def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> Any:
@@ -467,7 +425,7 @@ def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> An
     if rule == "same":
         moved = [to_target(v, ctx.target, None) for v in values]
         arrays = all(isinstance(v, (torch.Tensor, np.ndarray)) for v in moved)
-        if (_arrays_equal if arrays else _all_equal)(moved):
+        if (arrays_equal if arrays else all_equal)(moved):
             return moved[0]
         raise ValueError(
             f"{where}: output_rules says 'same', but the replicas returned different values "
@@ -486,9 +444,9 @@ def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> An
         return torch.stack([torch.as_tensor(v, device=ctx.target) for v in values])
     moved = [to_target(v, ctx.target, None) for v in values]
     if rule == "sum":
-        return _sum(moved)
+        return sum_all(moved)
     # "mean": chunk-weighted (numbers, tensors elementwise), as scalars="mean" weighs losses
-    return _sum([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
+    return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
 
 
 def _is_bool(value: Any) -> bool:
@@ -496,14 +454,10 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
 
 
-def _sum(items: list[Any]) -> Any:
-    return sum(items[1:], items[0])  # starts from the first, so ints stay ints
-
-
 def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
     # Weights (not counts) multiply, so a float16 loss cannot overflow.
     # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
-    mean = _sum([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
+    mean = sum_all([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
     if any(t.requires_grad for t in tensors):
         return mean  # a loss: its gradient must be the weighted one, even where values agree
     first = tensors[0]
@@ -512,27 +466,12 @@ def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
         same = torch.stack([t.to(first.dtype) for t in tensors]).eq(first).all()
         return torch.where(same, first, mean)
     # Integer outputs keep their dtype only when equal, which needs one look at the values.
-    return first if _arrays_equal(tensors) else mean
-
-
-def _all_equal(values: list[Any]) -> bool:
-    """``==`` on every replica, guarded: an error or a non-bool answer (arrays) means no."""
-    first = values[0]
-    for value in values[1:]:
-        if value is first:
-            continue
-        try:
-            same = value == first
-        except Exception:
-            return False
-        if not (same is True or (isinstance(same, np.bool_) and bool(same))):
-            return False
-    return True
+    return first if arrays_equal(tensors) else mean
 
 
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 6: once if equal on every replica, else one per replica."""
-    return values[0] if _all_equal(values) else list(values)
+    return values[0] if all_equal(values) else list(values)
 
 
 def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
