@@ -386,6 +386,8 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         # as_tensor moves a tensor like .to (differentiably) and makes one of a number
         tensors = [torch.as_tensor(v, device=target) for v in values]
         counts = not any(t.is_floating_point() or t.is_complex() for t in tensors)
+        if counts and ctx.scalars != "sum" and all(v is values[0] for v in values):
+            return tensors[0]  # one object on every replica: an input or buffer passed through
         if ctx.scalars == "sum" or counts:
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
