@@ -6,12 +6,11 @@ chunk), so every expected value is computed, never typed in.
 
 from __future__ import annotations
 
-import warnings
-
 import dataclasses
 import doctest
 import importlib
 import types
+import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from dataclasses import dataclass, field
 from typing import Any
