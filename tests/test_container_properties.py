@@ -59,7 +59,9 @@ def _leaf(draw: st.DrawFn, batch: int, counter: list[int]) -> Any:
         return torch.tensor(float(k))
     if kind == "int-scalar":
         return torch.tensor(k)
-    return k  # a Python constant
+    # A Python constant; never a chunk size (at most MAX_BATCH), which reads as a count of the
+    # chunk's samples (int(x.shape[0]), issue 21) and is summed
+    return 1000 + k
 
 
 @st.composite

@@ -169,5 +169,7 @@ def test_one_device_containers_the_vote_cannot_settle_take_the_full_plan() -> No
         deep = [deep]
     with pytest.raises(ValueError, match=r"args\[1\]: containers nested more than 100"):
         model(torch.zeros(4, 1), dp.Shared(deep))
-    with pytest.raises(ValueError, match="batch"):
-        model(torch.zeros(0, 2), [torch.zeros(0)])  # B = 0 is refused, as on every path
+    # B = 0 runs the module on its own empty inputs, as on every path
+    (empty, items), _ = model(torch.zeros(0, 2), [torch.zeros(0)])
+    assert empty.shape == (0, 2) and items[0].shape == (0,)
+    assert model.last_call.chunk_sizes == [0]

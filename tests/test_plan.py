@@ -42,9 +42,11 @@ def test_no_vote_means_batch_of_one() -> None:
     assert set(rules(p).values()) == {"broadcast"}
 
 
-def test_batch_of_zero_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"the batch size is 0 .*expected at least one sample"):
-        dp.plan((torch.zeros(0, 3),), None, CPU2)
+def test_batch_of_zero_is_one_chunk_on_the_first_device() -> None:
+    p = dp.plan((torch.zeros(0, 3),), None, CPU2, chunk_sizes=[1, 1])  # no samples to cut
+    assert (p.batch_size, p.chunk_sizes, p.waves) == (0, [0], [[0]])
+    assert p.devices == [torch.device("cpu")]
+    assert "an empty batch: the module runs once, on cpu" in str(p)
 
 
 def test_seed_003_in_either_order() -> None:

@@ -21,10 +21,22 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
-from dataparallel.guards import check_chunk_sizes_of, concat_error, warn_counts
+from dataparallel.guards import (
+    check_chunk_sizes_of,
+    check_gather_sizes,
+    check_scalar_weights,
+    concat_error,
+)
+from dataparallel.output_rules import (
+    check_output_rules,
+    rnn_state_shapes,
+    warn_even_count,
+    warn_unmatched,
+)
 from dataparallel.outputs import (
     ARRAY,
     ATOMS,
@@ -40,12 +52,15 @@ from dataparallel.outputs import (
     STRUCTURES,
     TENSOR,
     TUPLE,
+    all_equal,
+    arrays_equal,
     fields_of,
     fmt,
     kind_of,
     rebuild_dataclass,
     rebuild_mapping_like,
     rebuild_seq,
+    sum_all,
     to_target,
 )
 from dataparallel.packed import gather_packed, is_packed
@@ -65,7 +80,19 @@ _Ctx = Any  # a _Context; Any keeps the handler table simple to type
 class _Context:
     """What every step of one gather needs; built once per call."""
 
-    __slots__ = ("counts", "dim", "scalars", "sizes", "target", "total", "weights")
+    __slots__ = (
+        "counts",
+        "dim",
+        "module",
+        "rules",
+        "scalars",
+        "seen",
+        "sizes",
+        "states",
+        "target",
+        "total",
+        "weights",
+    )
 
     def __init__(
         self,
@@ -86,6 +113,16 @@ class _Context:
             self.counts = scalar_weights  # e.g. each chunk's count of labelled tokens
         self.total = sum(self.counts)
         self.weights = tuple(c / self.total for c in self.counts)
+        self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
+        self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
+        self.module: nn.Module | None = None
+        self.states: frozenset[tuple[int, int]] | None = None  # read from module when needed
+
+    def state_shapes(self) -> frozenset[tuple[int, int]]:
+        """The module's RNN hidden-state shapes, read once per gather, on first need."""
+        if self.states is None:
+            self.states = rnn_state_shapes(self.module)
+        return self.states
 
 
 def gather(
@@ -96,6 +133,8 @@ def gather(
     chunk_sizes: Sequence[int] | None = None,
     scalars: ScalarMode = "mean",
     scalar_weights: Sequence[float] | None = None,
+    output_rules: Mapping[str, int | str] | None = None,
+    module: nn.Module | None = None,
 ) -> Any:
     """Gather one output per replica into one output, batch order restored.
 
@@ -113,6 +152,13 @@ def gather(
             sizes, e.g. each chunk's number of labelled tokens, so that per-chunk token means
             combine into the global token mean. A replica of weight 0 is left out of the mean
             (its loss may be NaN: a chunk with no labelled token). All zero: sizes are used.
+        output_rules: ``{path: rule}`` for outputs the rules cannot read from shapes and
+            values, by the path the messages print (``"output[1][0]"``): an int is the
+            output's batch dimension, ``"sum"``, ``"mean"``, ``"stack"`` reduce it, ``"same"``
+            keeps one copy (the replicas must agree), ``"list"`` keeps one per replica.
+        module: the module that made the outputs; its RNN layers tell a hidden state
+            ``(layers*directions, batch, hidden)`` from a batched output where an even
+            split makes the two shapes alike.
 
     Returns:
         One output with the replicas' structure and types.
@@ -147,17 +193,25 @@ def gather(
         raise ValueError(f"dim: expected an int (the batch dimension), got {dim!r}; pass e.g. 0")
     dim = operator.index(dim)
     target = resolve_target(target_device)
-    sizes = None if chunk_sizes is None else _check_chunk_sizes(chunk_sizes, len(values))
+    sizes = None if chunk_sizes is None else check_gather_sizes(chunk_sizes, len(values))
+    rules = check_output_rules(output_rules)
     try:
-        if len(values) == 1 and scalars != "stack":
+        if len(values) == 1 and scalars != "stack" and not rules:
             # One replica: every rule gives its output back, tensors moved. "stack" still turns
             # scalars into vectors, so it takes the full walk.
             return to_target(values[0], target, None)
         if sizes is None:
             found = [first_batch_size(v, dim) for v in values]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
-        weights = None if scalar_weights is None else _check_weights(scalar_weights, len(values))
-        return _gather(values, None, _Context(target, dim, sizes, scalars, len(values), weights))
+        weights = (
+            None if scalar_weights is None else check_scalar_weights(scalar_weights, len(values))
+        )
+        ctx = _Context(target, dim, sizes, scalars, len(values), weights)
+        ctx.module, ctx.rules = module, rules or None
+        out = _gather(values, None, ctx)
+        if ctx.rules:
+            warn_unmatched(ctx.rules, ctx.seen)
+        return out
     except RecursionError:
         pass  # raised below, outside the handler, so the message is not chained to it
     raise ValueError(
@@ -187,50 +241,12 @@ def concat_batched(
     for v, size in zip(outputs, sizes, strict=True):
         if type(v) is not torch.Tensor or not (-v.ndim <= dim < v.ndim and v.shape[dim] == size):
             return None
+        if dim == 0 and v.ndim == 3 and v.shape[1] == size:
+            return None  # an RNN state's shape too: gather's rule decides
     try:
         return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
     except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
         return None
-
-
-def _check_weights(scalar_weights: Sequence[float], n: int) -> tuple[float, ...]:
-    weights = []
-    for i, w in enumerate(scalar_weights):
-        try:
-            value = float(w)
-        except (TypeError, ValueError, RuntimeError):
-            value = -1.0
-        if isinstance(w, bool) or not value >= 0 or value == float("inf"):
-            raise ValueError(
-                f"scalar_weights[{i}]: expected a finite number >= 0 (that chunk's weight in "
-                f"the mean of scalar outputs), got {w!r}; return a count such as the number "
-                f"of labels that are not -100"
-            )
-        weights.append(value)
-    if len(weights) != n:
-        raise ValueError(
-            f"scalar_weights: expected one weight per output ({n}), got {len(weights)}; pass "
-            f"one per replica, in batch order"
-        )
-    return tuple(weights)
-
-
-def _check_chunk_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
-    sizes = []
-    for i, size in enumerate(chunk_sizes):
-        if isinstance(size, bool) or not hasattr(size, "__index__") or operator.index(size) < 0:
-            raise ValueError(
-                f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}; pass the "
-                f"plan's chunk_sizes, or None to read them from the outputs"
-            )
-        sizes.append(operator.index(size))
-    if len(sizes) != n:
-        raise ValueError(
-            f"chunk_sizes: expected one size per output ({n}), got {len(sizes)}: "
-            f"{list(chunk_sizes)!r}; pass the plan's chunk_sizes, or None to read them from "
-            f"the outputs"
-        )
-    return tuple(sizes)
 
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
@@ -256,6 +272,11 @@ def first_batch_size(obj: Any, dim: int) -> int | None:
 
 
 def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    if ctx.rules is not None:
+        where = fmt(path)
+        ctx.seen.append(where)
+        if where in ctx.rules:
+            return _apply_rule(values, where, ctx.rules[where], ctx)
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:
@@ -274,8 +295,10 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         values = [v.to(ctx.target) for v in values]
+    if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, ctx):
+        return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
-        if _arrays_equal(values):
+        if arrays_equal(values):
             return values[0]
         if ctx.sizes is not None:
             check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
@@ -288,6 +311,33 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
 
 
+def _hidden_state(values: list[Any], ctx: _Ctx) -> bool:
+    """Whether 3-d outputs are an RNN state, batch on dim 1: dim 0 the same on every replica,
+    dim 1 each replica's chunk size, and either the shape of one of the module's RNN states,
+    or (no RNN says so) not also batched on dim 0 and not equal on every replica (a constant)."""
+    first = values[0]
+    if first.ndim != 3:
+        return False
+    lead = first.shape[0]
+    for v, size in zip(values, ctx.sizes, strict=True):
+        if v.ndim != 3 or v.shape[0] != lead or v.shape[1] != size:
+            return False
+    if (lead, first.shape[2]) in ctx.state_shapes():
+        return True
+    if all(lead == size for size in ctx.sizes):
+        return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
+    return not arrays_equal(values)
+
+
+def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
+    try:
+        if isinstance(values[0], torch.Tensor):
+            return torch.cat([v.to(ctx.target) for v in values], dim)
+        return np.concatenate(values, axis=dim)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise concat_error(values, where or fmt(path), dim, ctx.sizes) from exc
+
+
 def _batched(values: list[Any], ctx: _Ctx) -> bool:
     if ctx.sizes is None:
         return False
@@ -296,18 +346,6 @@ def _batched(values: list[Any], ctx: _Ctx) -> bool:
         -v.ndim <= dim < v.ndim and v.shape[dim] == size
         for v, size in zip(values, ctx.sizes, strict=True)
     )
-
-
-def _arrays_equal(values: list[Any]) -> bool:
-    first = values[0]
-    equal = torch.equal if isinstance(first, torch.Tensor) else np.array_equal
-    try:
-        return all(
-            v is first or (v.shape == first.shape and v.dtype == first.dtype and equal(v, first))
-            for v in values
-        )
-    except Exception:  # object arrays whose items refuse ==
-        return False
 
 
 def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
@@ -347,23 +385,70 @@ def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if any(isinstance(v, torch.Tensor) for v in values):
         # as_tensor moves a tensor like .to (differentiably) and makes one of a number
         tensors = [torch.as_tensor(v, device=target) for v in values]
-        if ctx.scalars == "sum":
-            return _sum(tensors)
-        if not any(t.is_floating_point() or t.is_complex() for t in tensors):
-            if _arrays_equal(tensors):
-                return tensors[0]
-            warn_counts(fmt(path))  # integer tensors: counts, as for Python ints
-            return _sum(tensors)
+        counts = not any(t.is_floating_point() or t.is_complex() for t in tensors)
+        if counts and ctx.scalars != "sum" and all(v is values[0] for v in values):
+            return tensors[0]  # one object on every replica: an input or buffer passed through
+        if ctx.scalars == "sum" or counts:
+            # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
+            # predictions): a count, summed even where the replicas agree, as one device's.
+            return sum_all(tensors)
         return _tensor_mean(tensors, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
-        return _sum(plain)
-    if _all_equal(plain):
-        return values[0]  # a constant (num_classes=10) keeps its type
+        return sum_all(plain)
     if all(isinstance(v, numbers.Integral) for v in plain):
-        warn_counts(fmt(path))
-        return _sum(plain)
-    return _sum([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
+        return _gather_ints(values, plain, path, ctx)
+    if all_equal(plain):
+        return values[0]  # a constant keeps its type
+    return sum_all([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
+
+
+def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) -> Any:
+    """Python and numpy integers under ``"mean"``: each replica's chunk size is a count of
+    samples (``int(x.shape[0])``), summed; integers equal on every replica otherwise are a
+    constant (``num_classes``), kept with their type; integers that differ are counts, summed.
+    On an even split a constant equal to the chunk size looks like a count: summed, with a
+    warning naming ``output_rules``."""
+    sizes = ctx.sizes
+    if sizes is not None and all(v == n for v, n in zip(plain, sizes, strict=True)):
+        total = sum_all(plain)
+        if len(set(sizes)) == 1:
+            warn_even_count(fmt(path), values[0], sizes[0], total)
+        return total
+    if all_equal(plain):
+        return values[0]
+    return sum_all(plain)
+
+
+def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> Any:
+    """What ``output_rules`` says for one output, in place of the rules."""
+    if rule == "list":
+        return [to_target(v, ctx.target, None) for v in values]
+    if rule == "same":
+        moved = [to_target(v, ctx.target, None) for v in values]
+        arrays = all(isinstance(v, (torch.Tensor, np.ndarray)) for v in moved)
+        if (arrays_equal if arrays else all_equal)(moved):
+            return moved[0]
+        raise ValueError(
+            f"{where}: output_rules says 'same', but the replicas returned different values "
+            f"({', '.join(f'replica {i}: {v!r:.40}' for i, v in enumerate(values))}); expected "
+            f"one value on every replica. Use 'sum', 'mean', 'list' or a batch dimension instead"
+        )
+    if isinstance(rule, int):
+        if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values):
+            raise ValueError(
+                f"{where}: output_rules gives batch dimension {rule}, but the replicas returned "
+                f"{[type(v).__name__ for v in values]}; expected tensors or ndarrays with a "
+                f"dimension {rule}. Give a rule name ('sum', 'mean', 'same', 'list') instead"
+            )
+        return _concat(values, None, rule, ctx, where)
+    if rule == "stack":
+        return torch.stack([torch.as_tensor(v, device=ctx.target) for v in values])
+    moved = [to_target(v, ctx.target, None) for v in values]
+    if rule == "sum":
+        return sum_all(moved)
+    # "mean": chunk-weighted (numbers, tensors elementwise), as scalars="mean" weighs losses
+    return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
 
 
 def _is_bool(value: Any) -> bool:
@@ -371,14 +456,10 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
 
 
-def _sum(items: list[Any]) -> Any:
-    return sum(items[1:], items[0])  # starts from the first, so ints stay ints
-
-
 def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
     # Weights (not counts) multiply, so a float16 loss cannot overflow.
     # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
-    mean = _sum([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
+    mean = sum_all([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
     if any(t.requires_grad for t in tensors):
         return mean  # a loss: its gradient must be the weighted one, even where values agree
     first = tensors[0]
@@ -387,27 +468,12 @@ def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
         same = torch.stack([t.to(first.dtype) for t in tensors]).eq(first).all()
         return torch.where(same, first, mean)
     # Integer outputs keep their dtype only when equal, which needs one look at the values.
-    return first if _arrays_equal(tensors) else mean
-
-
-def _all_equal(values: list[Any]) -> bool:
-    """``==`` on every replica, guarded: an error or a non-bool answer (arrays) means no."""
-    first = values[0]
-    for value in values[1:]:
-        if value is first:
-            continue
-        try:
-            same = value == first
-        except Exception:
-            return False
-        if not (same is True or (isinstance(same, np.bool_) and bool(same))):
-            return False
-    return True
+    return first if arrays_equal(tensors) else mean
 
 
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 6: once if equal on every replica, else one per replica."""
-    return values[0] if _all_equal(values) else list(values)
+    return values[0] if all_equal(values) else list(values)
 
 
 def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:

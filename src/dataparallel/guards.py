@@ -9,6 +9,7 @@ miss), so the hot path pays nothing for them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,19 +18,19 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from dataparallel.tree import MAX_DEPTH, describe, rebuild_mapping
-from dataparallel.warn import warn_user
 
 __all__ = [
     "check_batch_size_used",
     "check_chunk_sizes_of",
+    "check_gather_sizes",
     "check_initialized",
     "check_layout",
     "check_mapping",
+    "check_scalar_weights",
     "concat_error",
     "dim_out_of_range",
     "replicate_scripted",
     "too_deep",
-    "warn_counts",
 ]
 
 # ---------------------------------------------------------------------------- the batch rules
@@ -112,8 +113,9 @@ def concat_error(
     return ValueError(
         f"{where}: cannot concatenate the replicas' outputs along dim {dim}: "
         f"{_shapes(values, sizes)}; expected the same shape on every replica except along dim "
-        f"{dim}. Return the same shape from every replica, or use gather=False to handle the "
-        f"per-replica outputs yourself"
+        f"{dim}. Return the same shape from every replica, say where its batch is with "
+        f"output_rules={{{where!r}: dim}}, or use gather=False to handle the per-replica "
+        f"outputs yourself"
     )
 
 
@@ -133,18 +135,51 @@ def check_chunk_sizes_of(
             f"chunk of {sizes[wrong]} sample(s), expected its chunk size along dim {dim} "
             f"({_shapes(values, sizes)}); a batch dimension squeezed away for one sample looks "
             f"like this. Keep the batch dimension (squeeze(-1) rather than squeeze()), return "
-            f"the same value on every replica, or use gather=False"
+            f"the same value on every replica, say where its batch is with "
+            f"output_rules={{{where()!r}: dim}} (an RNN's h_n/c_n: 1), or use gather=False"
         )
 
 
-def warn_counts(where: str) -> None:
-    """Say that differing integer scalars were summed under ``scalars="mean"``."""
-    warn_user(
-        f"{where}: an integer scalar that differs across replicas is a count, so it is summed "
-        f"(what one device returns), not averaged into a float; pass scalars='sum' to say so "
-        f"and silence this, or return a float (or a float tensor) to get the chunk-weighted "
-        f"mean"
-    )
+def check_scalar_weights(scalar_weights: Sequence[float], n: int) -> tuple[float, ...]:
+    """``gather``'s ``scalar_weights``: one finite weight >= 0 per output."""
+    weights = []
+    for i, w in enumerate(scalar_weights):
+        try:
+            value = float(w)
+        except (TypeError, ValueError, RuntimeError):
+            value = -1.0
+        if isinstance(w, bool) or not value >= 0 or value == float("inf"):
+            raise ValueError(
+                f"scalar_weights[{i}]: expected a finite number >= 0 (that chunk's weight in "
+                f"the mean of scalar outputs), got {w!r}; return a count such as the number "
+                f"of labels that are not -100"
+            )
+        weights.append(value)
+    if len(weights) != n:
+        raise ValueError(
+            f"scalar_weights: expected one weight per output ({n}), got {len(weights)}; pass "
+            f"one per replica, in batch order"
+        )
+    return tuple(weights)
+
+
+def check_gather_sizes(chunk_sizes: Sequence[int], n: int) -> tuple[int, ...]:
+    """``gather``'s ``chunk_sizes``: one non-negative int per output."""
+    sizes = []
+    for i, size in enumerate(chunk_sizes):
+        if isinstance(size, bool) or not hasattr(size, "__index__") or operator.index(size) < 0:
+            raise ValueError(
+                f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}; pass the "
+                f"plan's chunk_sizes, or None to read them from the outputs"
+            )
+        sizes.append(operator.index(size))
+    if len(sizes) != n:
+        raise ValueError(
+            f"chunk_sizes: expected one size per output ({n}), got {len(sizes)}: "
+            f"{list(chunk_sizes)!r}; pass the plan's chunk_sizes, or None to read them from "
+            f"the outputs"
+        )
+    return tuple(sizes)
 
 
 # ---------------------------------------------------------------------------- replicate

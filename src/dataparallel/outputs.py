@@ -37,6 +37,8 @@ __all__ = [
     "TENSOR",
     "TUPLE",
     "Path",
+    "all_equal",
+    "arrays_equal",
     "cannot_rebuild",
     "fields_of",
     "fmt",
@@ -44,6 +46,7 @@ __all__ = [
     "rebuild_dataclass",
     "rebuild_mapping_like",
     "rebuild_seq",
+    "sum_all",
     "to_target",
 ]
 
@@ -204,3 +207,36 @@ def rebuild_dataclass(
         except Exception as exc:
             raise cannot_rebuild(first, path, exc) from exc
     return out
+
+
+def arrays_equal(values: list[Any]) -> bool:
+    """Whether tensors or ndarrays are equal on every replica (shape, dtype and values)."""
+    first = values[0]
+    equal = torch.equal if isinstance(first, torch.Tensor) else np.array_equal
+    try:
+        return all(
+            v is first or (v.shape == first.shape and v.dtype == first.dtype and equal(v, first))
+            for v in values
+        )
+    except Exception:  # object arrays whose items refuse ==
+        return False
+
+
+def all_equal(values: list[Any]) -> bool:
+    """``==`` on every replica, guarded: an error or a non-bool answer (arrays) means no."""
+    first = values[0]
+    for value in values[1:]:
+        if value is first:
+            continue
+        try:
+            same = value == first
+        except Exception:
+            return False
+        if not (same is True or (isinstance(same, np.bool_) and bool(same))):
+            return False
+    return True
+
+
+def sum_all(items: list[Any]) -> Any:
+    """The sum of the replicas' values."""
+    return sum(items[1:], items[0])  # starts from the first, so ints stay ints

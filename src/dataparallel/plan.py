@@ -481,11 +481,6 @@ def build_plan(
     if not collector.votes and collector.max_ndim > 0 and collector.first_split is None:
         raise dim_out_of_range(dim, collector.max_ndim)
     batch, how, lost_ties = _decide_batch_size(collector.votes, collector.first_split, batch_size)
-    if batch == 0:
-        raise ValueError(
-            f"the batch size is 0 (decided by {how}): expected at least one sample; an empty "
-            f"batch has nothing to run, skip the call or pass batch_size=N"
-        )
 
     def voters() -> str:
         return voters_phrase(batch, how, collector.votes)
@@ -503,14 +498,20 @@ def build_plan(
 
     if batch_size is not None and batch > 1 and compiler.entries:
         check_batch_size_used(batch, compiler.entries)
-    waves = cut_batch(
-        batch,
-        len(devices),
-        chunk_sizes=chunk_sizes,
-        weights=weights,
-        max_size=max_size,
-        allow_waves=allow_waves,
-    )
+    if batch == 0:
+        # An empty batch runs the module once, on the first device, as the plain module would
+        # (torch's DataParallel does the same); there are no samples to cut, so the chunk
+        # options do not apply.
+        waves = [[0] * len(devices)]
+    else:
+        waves = cut_batch(
+            batch,
+            len(devices),
+            chunk_sizes=chunk_sizes,
+            weights=weights,
+            max_size=max_size,
+            allow_waves=allow_waves,
+        )
     chunks = sum(1 for wave in waves for size in wave if size)
     if collector.iterators and chunks > 1:
         raise ValueError(
@@ -531,6 +532,8 @@ def build_plan(
                 totals[index] += size
         slices.append(cut)
     used = [i for i, total in enumerate(totals) if total]
+    if batch == 0:
+        slices, used = [[(devices[0], 0, 0)]], [0]
     warnings = list(compiler.notes)
     if compiler.mismatched:
         warnings.insert(0, warning_text(batch, how, voters(), collector.votes, compiler.mismatched))
@@ -540,7 +543,7 @@ def build_plan(
         chunk_sizes=[totals[i] for i in used],
         entry_records=compiler.entries,
         votes=collector.votes,
-        waves=[[s for s in wave if s] for wave in waves],
+        waves=[[s for s in wave if s] for wave in waves] if batch else [[0]],
         device_sizes=waves,
         decided_by=how,
         dim=dim,

@@ -287,6 +287,13 @@ def format_plan(p: Plan) -> str:
             f"module runs once, on {device}, as it would without DataParallel"
         )
     lines = [f"batch size {p.batch_size}, decided by {p.decided_by}"]
+    if p.batch_size == 0:
+        device = p.devices[0] if p.devices else "the first device"
+        lines.append(
+            f"an empty batch: the module runs once, on {device} (replica 0, on the caller's "
+            f"thread), with the empty inputs, and its output is returned as it is, as without "
+            f"DataParallel"
+        )
     if p.votes:
         tally: dict[int, list[str]] = {}
         for vote in p.votes:

@@ -28,6 +28,7 @@ from dataparallel.gather import (
     gather_one,
 )
 from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, is_exact_mean
+from dataparallel.output_rules import check_output_rules
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan_cache import PlanCache, take_flat, take_whole
@@ -47,13 +48,16 @@ def _check_scalars(scalars: str) -> ScalarMode:
     return cast(ScalarMode, scalars)
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.DataParallel):
     """Run ``module`` over several devices on one batch, split by the batch rules.
 
-    A drop-in for ``torch.nn.DataParallel``: same positional arguments, ``.module``, state_dict
-    keys ``module.*`` and overridable ``scatter``, ``replicate``, ``parallel_apply`` and
-    ``gather``. It also runs on CPU device lists, splits per-sample lists, never drops samples,
-    and reuses its replicas between calls.
+    A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
+    ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` and
+    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
+    CPU device lists, splits per-sample lists, never drops samples, and reuses its replicas
+    between calls. torch's ``__init__`` is not run (it refuses CPU lists and repeated
+    devices); every attribute torch's methods read is set here.
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
@@ -72,12 +76,22 @@ class DataParallel(nn.Module):
             in place of its size: for a loss computed in ``forward`` as a mean over tokens,
             return the chunk's count of labelled tokens and the gathered loss is the
             one-device one. Ignored when ``gather`` is overridden.
+        output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
+            gather them, by the path gather's messages print: an int is the output's batch
+            dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
+            ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
+            replica). Ignored when ``gather`` is overridden.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
     >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
     (torch.Size([10, 2]), [4, 3, 3])
     """
+
+    # torch's meaning (the devices used, where the output lands), as ``torch.device`` objects:
+    # a CPU list has no CUDA index to hold.
+    device_ids: list[torch.device]  # type: ignore[assignment]
+    output_device: torch.device  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -95,11 +109,13 @@ class DataParallel(nn.Module):
         scalars: str = "mean",
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
+        output_rules: Mapping[str, int | str] | None = None,
     ) -> None:
-        super().__init__()
+        # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
+        nn.Module.__init__(self)
         _check_module(module)
         self.module = module
-        self.device_ids: list[torch.device] = resolve_devices(device_ids)
+        self.device_ids = resolve_devices(device_ids)
         check_runnable(self.device_ids)
         self.output_device = (
             self.device_ids[0]
@@ -131,6 +147,7 @@ class DataParallel(nn.Module):
                 f"{type(scalar_weights).__name__}; e.g. lambda a, kw: (kw['labels'] != -100).sum()"
             )
         self.scalar_weights = scalar_weights
+        self.output_rules = check_output_rules(output_rules)
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()
 
@@ -317,7 +334,8 @@ class DataParallel(nn.Module):
             return self.gather(outputs, self.output_device)
         if len(outputs) == 1 and self.scalars != "stack":
             return gather_one(outputs[0], self.output_device)
-        if not steps.scatter:
+        rules = self.__dict__.get("output_rules")  # (a wrapper unpickled from before has none)
+        if not steps.scatter and not rules:
             out = concat_batched(outputs, self.output_device, self.dim, sizes)
             if out is not None:
                 return out
@@ -328,6 +346,8 @@ class DataParallel(nn.Module):
             chunk_sizes=None if steps.scatter else sizes,  # an override chose the chunks
             scalars=self.scalars,
             scalar_weights=weights or None,
+            output_rules=rules,
+            module=self.module,
         )
 
     # -- torch's overridable steps ----------------------------------------------------------
@@ -364,7 +384,7 @@ class DataParallel(nn.Module):
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """torch's signature: one output on ``output_device``, chunk sizes inferred."""
-        return gather(outputs, output_device, self.dim, scalars=self.scalars)
+        return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
         """The plan this wrapper would follow for these arguments; runs nothing."""
@@ -592,8 +612,9 @@ class DataParallelCriterion(nn.Module):
             kwargs,
             devices,
             self.dim,
-            batch_size=sum(sizes),
-            chunk_sizes=sizes,
+            # an empty batch (one chunk of 0) is decided by the targets' vote
+            batch_size=sum(sizes) or None,
+            chunk_sizes=sizes if sum(sizes) else None,
             strict=True,
         )
         chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
