@@ -439,23 +439,36 @@ def test_random_changes_threads_and_double_forwards(
                 torch.testing.assert_close(results[0], oracle(y))
 
 
+class Holder(nn.Module):
+    """A model holding the wrapper as a child (torch.func.functional_call refuses an
+    nn.DataParallel as its root, as it refuses torch's own)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
 def test_functional_call_through_the_wrapper(devices: list[str]) -> None:
     # torch.func.functional_call swaps tensors into _parameters past torch's setters; every
     # replica must run with them, and gradients reach them.
     model, oracle = _pair()
     wrapper = dp.DataParallel(model, devices)
+    holder = Holder(wrapper)
     x = torch.randn(7, 4)
-    wrapper(x)  # replicas built and cached first
+    holder(x)  # replicas built and cached first
     params = {name: (p.detach() * 1.5).requires_grad_() for name, p in oracle.named_parameters()}
-    mine = {f"module.{name}": p.detach().clone().requires_grad_() for name, p in params.items()}
-    out = torch.func.functional_call(wrapper, mine, (x,))
+    mine = {f"inner.module.{k}": p.detach().clone().requires_grad_() for k, p in params.items()}
+    out = torch.func.functional_call(holder, mine, (x,))
     ref = torch.func.functional_call(oracle, params, (x,))
     torch.testing.assert_close(out, ref)
     out.pow(2).sum().backward()
     ref.pow(2).sum().backward()
     for name, p in params.items():
-        torch.testing.assert_close(mine[f"module.{name}"].grad, p.grad, msg=name)
+        torch.testing.assert_close(mine[f"inner.module.{name}"].grad, p.grad, msg=name)
     torch.testing.assert_close(wrapper(x), oracle(x))  # and the module's own afterwards
 
 

@@ -108,25 +108,45 @@ def test_vmap_of_grad_per_sample_equals_one_device(devices: list[str]) -> None:
     torch.testing.assert_close(per_sample(w)(x), per_sample(net)(x))
 
 
+class Outer(nn.Module):
+    """A model holding the wrapper as a child: torch.func.functional_call refuses an
+    nn.DataParallel as its root (as it refuses torch's own), not as a submodule."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_functional_call_on_the_wrapper_itself_is_torchs_refusal(devices: list[str]) -> None:
+    w = dp.DataParallel(_net(), devices)
+    params = {k: v.detach() for k, v in w.named_parameters()}
+    with pytest.raises(RuntimeError, match="DataParallel"):
+        torch.func.functional_call(w, params, (_x(),))
+
+
 def test_grad_of_parameters_through_functional_call_with_the_modules_own_values(
     devices: list[str],
 ) -> None:
     net, x = _net(), _x()
-    w = dp.DataParallel(net, devices)
-    params = {k: v.detach() for k, v in w.named_parameters()}
+    outer = Outer(dp.DataParallel(net, devices))
+    params = {k: v.detach() for k, v in outer.named_parameters()}
     own = {k: v.detach() for k, v in net.named_parameters()}
-    got = torch.func.grad(lambda p: torch.func.functional_call(w, p, (x,)).pow(2).sum())(params)
+    got = torch.func.grad(lambda p: torch.func.functional_call(outer, p, (x,)).pow(2).sum())(params)
     want = torch.func.grad(lambda p: torch.func.functional_call(net, p, (x,)).pow(2).sum())(own)
     for name, value in want.items():
-        torch.testing.assert_close(got[f"module.{name}"], value)
+        torch.testing.assert_close(got[f"inner.module.{name}"], value)
 
 
 def test_functional_call_with_other_parameters_equals_one_device(devices: list[str]) -> None:
     net, x = _net(), _x()
-    w = dp.DataParallel(net, devices)
-    w(x), w(x)  # warm replicas: the swap must still be seen
+    outer = Outer(dp.DataParallel(net, devices))
+    outer(x), outer(x)  # warm replicas: the swap must still be seen
     doubled = {k: v * 2 for k, v in net.named_parameters()}
-    got = torch.func.functional_call(w, {f"module.{k}": v for k, v in doubled.items()}, (x,))
+    swapped = {f"inner.module.{k}": v for k, v in doubled.items()}
+    got = torch.func.functional_call(outer, swapped, (x,))
     torch.testing.assert_close(got, torch.func.functional_call(net, doubled, (x,)))
 
 

@@ -204,22 +204,9 @@ def test_data_parallel_no_grad(devices: list[str]) -> None:
     assert seen == [True] * len(devices)
 
 
-SPARSE_COPIES = pytest.mark.xfail(
-    strict=True,
-    reason="replicas with parameter copies (cpu:1) cannot take an Embedding's sparse gradient "
-    "back to the module: RuntimeError in the copy's backward (left to replicas.py)",
-)
-
-
-@pytest.mark.parametrize(
-    "devices",
-    [
-        LISTS[0],
-        pytest.param(LISTS[1], marks=SPARSE_COPIES),
-        pytest.param(LISTS[2], marks=SPARSE_COPIES),
-    ],
-    ids=["cpu,cpu", "cpu,cpu1", "cpu,cpu1,cpu1"],
-)
+# Sparse gradients through parameter copies (cpu:1): the copy is a clone, whose backward
+# passes the Embedding's sparse gradient on as it is.
+@pytest.mark.parametrize("devices", LISTS, ids=["cpu,cpu", "cpu,cpu1", "cpu,cpu1,cpu1"])
 def test_data_parallel_sparse(devices: list[str]) -> None:
     check_data_parallel(devices, sparse=True)
 

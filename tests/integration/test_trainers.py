@@ -28,9 +28,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed")
 
 STEPS = 3
-NEEDS_21 = pytest.mark.xfail(
-    reason="needs dp.DataParallel to be an nn.DataParallel (issue 21)", strict=False
-)
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +196,6 @@ def test_accelerate_prepare_and_train(devices: list[str], batch: int, tmp_path: 
     _weights_equal(ref_model, plain, f"accelerate {devices} save_model")
 
 
-@NEEDS_21
 def test_accelerate_unwraps_the_wrapper(tmp_path: Path) -> None:
     """unwrap_model and save_model find .module through isinstance(m, nn.DataParallel)."""
     from safetensors.torch import load_file
