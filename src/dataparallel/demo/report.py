@@ -116,7 +116,8 @@ def require_matplotlib() -> None:
 
 
 def write_plot(path: str, history: Sequence[EpochStats]) -> None:
-    """A PNG of the training loss and test accuracy per epoch (matplotlib, Agg canvas).
+    """A plot of the training loss and test accuracy per epoch (matplotlib, Agg canvas), in the
+    format the suffix of ``path`` names (``.png``, ``.pdf``, ``.svg``, ``.jpg``).
 
     Raises:
         UsageError: matplotlib is not installed.
@@ -137,4 +138,5 @@ def write_plot(path: str, history: Sequence[EpochStats]) -> None:
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, format="png", dpi=100)
+    # The suffix names the format (checked before the run by check_plot_suffix).
+    fig.savefig(target, format=target.suffix.lower().lstrip(".") or "png", dpi=100)
