@@ -43,7 +43,8 @@ $(NEWEST_STAMP): pyproject.toml constraints-newest.txt
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP)
-	$(NEWEST)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(NEWEST)/bin/python -c "import torch; print('make test-newest on torch', torch.__version__)"
+	$(NEWEST)/bin/mypy
 	$(NEWEST)/bin/python -m pytest -q $(ARGS)
 
 bench: $(STAMP)

@@ -155,7 +155,9 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def busy_reason(load: float | None, others: float | None, max_load: float, max_others: float) -> str:
+def busy_reason(
+    load: float | None, others: float | None, max_load: float, max_others: float
+) -> str:
     """Why the machine is too busy to measure on, or ``""`` when it is not."""
     if load is not None and load > max_load:
         return (

@@ -281,8 +281,8 @@ def _class_names(folder: Path) -> tuple[str, ...]:
 
 
 CIFAR_HOWTO = (
-    f"download {CIFAR_URL} (about 170 MB), unpack it with `tar xzf cifar-10-python.tar.gz` and pass "
-    f"--data cifar10:cifar-10-batches-py (the folder it makes)"
+    f"download {CIFAR_URL} (about 170 MB), unpack it with `tar xzf cifar-10-python.tar.gz` "
+    f"and pass --data cifar10:cifar-10-batches-py (the folder it makes)"
 )
 """How to get the real CIFAR-10, as the errors about a missing folder or batch say it."""
 
