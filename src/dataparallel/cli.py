@@ -168,10 +168,15 @@ EXPLAIN_EXAMPLES = (
         "the tutorial's last batch of 10 on three replicas (4/3/3)",
     ),
 )
+BENCH_QUICK_TIME = "about 30 s"
+"""How long the quick set runs, measured on the project's 2-core machine (the README says it)."""
+BENCH_FULL_TIME = "about 1.5 minutes"
+"""How long the full set (``make bench``) runs, measured there; the README says the same."""
+
 BENCH_EXAMPLES = (
-    ("dataparallel bench", "the quick set, about 30 s; JSON in benchmarks/results/"),
+    ("dataparallel bench", f"the quick set, {BENCH_QUICK_TIME}; JSON in benchmarks/results/"),
     ("dataparallel bench --out bench.json", "the same, JSON in bench.json"),
-    ("dataparallel bench --full", "the full set, about 1.5 minutes"),
+    ("dataparallel bench --full", f"the full set, {BENCH_FULL_TIME}"),
 )
 
 
@@ -365,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--full",
         action="store_true",
-        help="the full set, about 1.5 minutes (default: the quick set, about 30 s)",
+        help=f"the full set, {BENCH_FULL_TIME} (default: the quick set, {BENCH_QUICK_TIME})",
     )
     b.add_argument(
         "--out",

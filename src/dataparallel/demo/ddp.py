@@ -36,7 +36,7 @@ from dataparallel.demo.options import (
     load_data,
     resolve_hyper,
 )
-from dataparallel.demo.report import per_class, print_epoch, progress_bar
+from dataparallel.demo.report import per_class, print_epoch, progress_bar, progress_shown
 
 __all__ = ["ddp_train"]
 
@@ -68,6 +68,21 @@ def _needs_join(counts: list[int], sizes: list[int]) -> bool:
     return len(steps) > 1
 
 
+def _loss_scales(counts: list[int], sizes: list[int], world: int) -> list[float | None]:
+    """Per step, what this run multiplies each rank's summed loss by, or None for the mean.
+
+    DDP averages gradients over ranks, so the global batch's mean gradient is each rank's
+    summed loss times ``world / global batch``. Where every rank has the same share of a step
+    (``share * world == global batch``) that is each rank's plain mean, which costs one op
+    less (a mean-reduced loss, no multiplication and its backward), so it is used there.
+    """
+    scales: list[float | None] = []
+    for k, total in enumerate(_step_totals(counts, sizes)):
+        shares = {max(0, min(s, c - k * s)) for c, s in zip(counts, sizes, strict=True)}
+        scales.append(None if len(shares) == 1 else world / total)
+    return scales
+
+
 def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
     """Train in this process as one rank of a ddp run; rank 0 returns the figures, others None.
 
@@ -95,8 +110,8 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
                 f"{batch_size}; use --batch-size {world} or more"
             )
         totals = _step_totals(counts, sizes)
-        # Scale of each step's summed loss (see backward below), computed once per run.
-        scales = [world / total for total in totals]
+        # How each step's loss is reduced (see backward below), decided once per run.
+        scales = _loss_scales(counts, sizes, world)
         uneven = _needs_join(counts, sizes)
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
         history: list[EpochStats] = []
@@ -115,30 +130,39 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             sampler.set_epoch(epoch)
             ddp.train()
             loss_sum, seen, t0 = 0.0, 0, time.perf_counter()
-            bar = progress_bar(n, f"epoch {epoch + 1}/{epochs}", opts.progress if main else False)
-            show = not bar.disable
+            # No bar object at all when none is shown (building one costs a tenth of a step).
+            show = main and progress_shown(opts.progress)
+            bar = progress_bar(n, f"epoch {epoch + 1}/{epochs}", True) if show else None
             # Join lets a rank with fewer batches shadow the others' gradient all-reduces; with
             # every rank stepping alike it would only add an all-reduce per step.
-            with contextlib.closing(bar), Join([ddp]) if uneven else contextlib.nullcontext():
-                # The step does what a hand-written DDP loop does, plus one loss.item() (the
-                # epoch's loss) and a clock read: the per-step figures of the report are kept
-                # as plain numbers, and the bar is fed only when it is shown.
+            with contextlib.ExitStack() as stack:
+                if bar is not None:
+                    stack.enter_context(contextlib.closing(bar))
+                if uneven:
+                    stack.enter_context(Join([ddp]))
+                # The step does what a hand-written DDP loop does, plus a clock read: the
+                # per-step figures of the report are kept as plain numbers.
                 for k, (x, y) in enumerate(loader):
                     step_start = time.perf_counter()
                     x, y = x.to(device), y.to(device)
                     optimizer.zero_grad()
                     output = ddp(x)
-                    summed = F.cross_entropy(output, y, reduction="sum")
-                    # DDP averages gradients over ranks; scaling by world / global batch makes
-                    # that average the global batch's mean, even when ranks' batches differ.
-                    (summed * scales[k]).backward()
+                    scale = scales[k]
+                    if scale is None:  # every rank has this step's share: the plain mean
+                        loss = F.cross_entropy(output, y)
+                        loss.backward()
+                        value = loss.item() * y.shape[0]
+                    else:
+                        summed = F.cross_entropy(output, y, reduction="sum")
+                        (summed * scale).backward()
+                        value = summed.item()
                     optimizer.step()
-                    value = summed.item()
-                    loss_sum, seen = loss_sum + value, seen + len(y)
-                    last_samples, last_seconds = len(y), time.perf_counter() - step_start
-                    if show:
+                    samples = int(y.shape[0])
+                    loss_sum, seen = loss_sum + value, seen + samples
+                    last_samples, last_seconds = samples, time.perf_counter() - step_start
+                    if bar is not None:
                         bar.update(totals[k])
-                        bar.set_postfix(loss=f"{value / len(y):.4f}")
+                        bar.set_postfix(loss=f"{value / samples:.4f}")
             seconds = time.perf_counter() - t0
             trained, train_time = trained + n, train_time + seconds
             sums = gather_all(torch.tensor([[loss_sum, seen]], dtype=torch.float64))
