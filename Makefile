@@ -52,8 +52,10 @@ bench: $(STAMP)
 
 # Run the default training (and on two CPU replicas), keep the figures in benchmarks/results/,
 # and rewrite the README's marked figures from them and from benchmarks/results/latest-cpu.json.
+# It refuses a busy machine (load average, CPU taken by others); ARGS=--allow-busy writes anyway,
+# with the load beside the figures.
 readme-figures: $(STAMP)
-	$(BIN)/python scripts/readme_figures.py --run
+	$(BIN)/python scripts/readme_figures.py --run $(ARGS)
 
 # A bare install (the wheel, no extras, offline) tries every command of the CLI.
 check-bare: $(STAMP)

@@ -277,10 +277,26 @@ def _sample_output(train: dict[str, Any], seeds: dict[str, Any]) -> str:
                 f"rounding, so another CPU or thread count can end a few test images apart: "
                 f"seeds {numbers[0]}-{numbers[-1]} at {' and '.join(map(str, threads))} threads "
                 f"ended between {min(accuracies):.4f} and {max(accuracies):.4f} here "
-                f"(`{TRAIN_SEEDS.relative_to(ROOT)}`), and a fresh `make train` reaches at least "
-                f"{ACCURACY_FLOOR} on any machine (`make test` checks it at 1 and 2 threads).)"
+                f"(`{TRAIN_SEEDS.relative_to(ROOT)}`){_same_seed_note(train, seeds)}, and a fresh "
+                f"`make train` reaches at least {ACCURACY_FLOOR} on any machine (`make test` "
+                f"checks it at 1 and 2 threads).)"
             ),
         ]
+    )
+
+
+def _same_seed_note(train: dict[str, Any], seeds: dict[str, Any]) -> str:
+    """Where the sweep ran the sample's own seed and thread count and printed another count, say
+    so (machines of the same kind have rounded differently)."""
+    threads = train["machine"]["torch_threads"]
+    correct = sum(c["correct"] for c in train["per_class"].values())
+    same = [r for r in seeds["runs"] if r["seed"] == 0 and r["threads"] == threads]
+    if not same or same[0]["correct"] == correct:
+        return ""
+    return (
+        f"; the sweep's own run of seed 0 at {threads} threads printed "
+        f"{same[0]['test_accuracy']:.4f} ({same[0]['correct']}/{same[0]['total']}), not the "
+        f"{train['test_accuracy']:.4f} above, on a machine of the same kind"
     )
 
 
@@ -362,7 +378,8 @@ def _train_ddp_row(report: dict[str, Any]) -> str:
     return (
         f"| `dataparallel train --strategy ddp --nproc-per-node 2` itself (random data, "
         f"{report['config']['epochs']} epochs, medians of {report['config']['rounds']} rotating "
-        f"rounds, load average {load['median']}, at most {load['max']}), samples/s | "
+        f"rounds, per-round ratios {min(report['ratios']):.2f}–{max(report['ratios']):.2f}, "
+        f"load average {load['median']}, at most {load['max']}), samples/s | "
         f"{med['ours']:,.0f}/s | {med['raw']:,.0f}/s (raw torch DDP loop under torchrun) | "
         f"{report['ratio']:.3f} | >= {report['target_ratio']} | {verdict} |"
     )
