@@ -43,6 +43,9 @@ NOT_RUN = {
     "make check-bare": "builds a second environment from the wheel; tests/test_bare_install.py "
     "runs the same script (scripts/bare_install.py)",
     MULTI_NODE: "two machines: needs HOST0 and a second node running the same command",
+    ".venv/bin/python benchmarks/bench_train_ddp.py": "about 90 s of timed DDP runs that "
+    "rewrite the committed benchmarks/results/ddp-train.json; tests/test_benchmarks.py runs one "
+    "short round of it",
 }
 GPU_ONLY = {
     # Without CUDA these say so and exit 0, which is what runs here; with CUDA they are the
