@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train explain test lint bench bench-gpu readme-figures check-bare clean
+.PHONY: setup train explain test test-newest lint bench bench-gpu readme-figures check-bare clean
 
 setup: $(STAMP)
 
@@ -31,13 +31,31 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The same suite on the newest torch the registry serves (constraints-newest.txt), in a second
+# venv: pyproject.toml declares the oldest torch tested (`make test`), this is the newest.
+NEWEST := .venv-newest
+NEWEST_STAMP := $(NEWEST)/.installed
+
+$(NEWEST_STAMP): pyproject.toml constraints-newest.txt
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[dev,plot]'
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST)/bin/python -c "import torch; print('make test-newest on torch', torch.__version__)"
+	$(NEWEST)/bin/mypy
+	$(NEWEST)/bin/python -m pytest -q $(ARGS)
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
 
 # Run the default training (and on two CPU replicas), keep the figures in benchmarks/results/,
 # and rewrite the README's marked figures from them and from benchmarks/results/latest-cpu.json.
+# It refuses a busy machine (load average, CPU taken by others); ARGS=--allow-busy writes anyway,
+# with the load beside the figures.
 readme-figures: $(STAMP)
-	$(BIN)/python scripts/readme_figures.py --run
+	$(BIN)/python scripts/readme_figures.py --run $(ARGS)
 
 # A bare install (the wheel, no extras, offline) tries every command of the CLI.
 check-bare: $(STAMP)
@@ -48,4 +66,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -3,7 +3,8 @@
 Every function takes the harness ``Settings`` and returns its ``Case`` list; none of them
 needs a GPU. ``QUICK`` is what ``dataparallel bench`` runs; ``FULL`` adds the end-to-end
 ``DataParallel`` cases of ``e2e.py`` (1 to 8 replicas against a hand-written floor) and the peers
-that need extra software or processes (mmcv 1.x, the DDP path of ``bench_ddp.py``).
+that need extra software or processes (mmcv 1.x, the DDP path of ``bench_ddp.py``, and
+``dataparallel train --strategy ddp`` itself against a raw DDP loop, ``bench_train_ddp.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "case_plan_scaling",
     "case_replicate",
     "case_scatter_gather",
+    "case_train_ddp",
     "case_train_step",
     "heterogeneous_batch",
     "many_module_net",
@@ -523,10 +525,45 @@ def case_ddp(settings: Settings) -> list[Case]:
     ]
 
 
+# -- f. the product's own DDP path: `dataparallel train --strategy ddp` vs raw DDP -----------
+
+
+def case_train_ddp(settings: Settings) -> list[Case]:
+    """(f) ``bench_train_ddp.py``: the CLI's ddp training against a raw torch DDP loop."""
+    from benchmarks.bench_train_ddp import TARGET, run_rounds
+
+    title = (
+        "`dataparallel train --strategy ddp --nproc-per-node 2` against a raw torch DDP loop "
+        "under torchrun, random data, 100 epochs, samples/s (stats: seconds per 1,000 samples)"
+    )
+    rounds = max(3, min(settings.repeats, 5))
+    try:
+        report = run_rounds(rounds, epochs=100, echo=False)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return [Case("train_ddp", title, skipped=" ".join(str(exc).split())[-400:])]
+    rates = {w: [r["samples_per_s"] for r in runs] for w, runs in report["runs"].items()}
+    stats = {w: Stats.of([1000 / r for r in rs], 1) for w, rs in rates.items()}
+    return [
+        Case(
+            "train_ddp",
+            title,
+            "raw",
+            "ours",
+            stats,
+            report["ratio"],
+            report["ratio_of_medians"],
+            "samples/s of ours / samples/s of the raw DDP loop",
+            ">=",
+            TARGET,
+            extra={"train_ddp": report},
+        )
+    ]
+
+
 QUICK: tuple[CaseFn, ...] = (
     case_scatter_gather,
     case_plan_scaling,
     case_train_step,
     case_replicate,
 )
-FULL: tuple[CaseFn, ...] = (*QUICK, case_e2e, case_mmcv_scatter, case_ddp)
+FULL: tuple[CaseFn, ...] = (*QUICK, case_e2e, case_mmcv_scatter, case_ddp, case_train_ddp)

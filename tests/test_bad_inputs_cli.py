@@ -50,6 +50,12 @@ def _malicious_checkpoint(tmp: Path) -> Path:
     return path
 
 
+def _earlier_checkpoint(tmp: Path) -> Path:
+    path = tmp / "earlier.pt"
+    save_checkpoint(path, {"epoch": 1})
+    return path
+
+
 def _cifar(tmp: Path, *, n_test: int = 10, pixels: np.ndarray | None = None) -> str:
     folder = write_cifar_like(tmp / "cifar", n_train=20, n_test=n_test)
     if pixels is not None:
@@ -158,6 +164,42 @@ CASES: dict[str, Callable[[Path], Case]] = {
         "data_batch_1",
         FIX,
     ),
+    "cifar folder missing": lambda t: (
+        ["train", "--data", f"cifar10:{t / 'cifar-10-batches-py'}"],
+        2,
+        "--data cifar10:",
+        "fix: download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    ),
+    "plot suffix not an image format": lambda t: (
+        ["train", "--data", "random", "--plot", str(t / "p.txt")],
+        2,
+        "--plot",
+        "fix: --plot",
+    ),
+    "plot without a suffix": lambda t: (
+        ["train", "--data", "random", "--plot", str(t / "curves")],
+        2,
+        "--plot",
+        "fix: --plot",
+    ),
+    "checkpoint of an earlier run": lambda t: (
+        ["train", "--data", "random", "--checkpoint", str(_earlier_checkpoint(t))],
+        2,
+        "--checkpoint",
+        "fix: --resume to continue it, --overwrite to replace it",
+    ),
+    "overwrite with resume": lambda t: (
+        ["train", "--data", "random", "--checkpoint", str(t / "c.pt"), "--resume", "--overwrite"],
+        2,
+        "--overwrite",
+        FIX,
+    ),
+    "overwrite without a checkpoint": lambda t: (
+        ["train", "--data", "random", "--overwrite"],
+        2,
+        "--overwrite",
+        FIX,
+    ),
     "loss not finite": lambda t: (
         ["train", "--lr", "1e10", "--epochs", "2", "--checkpoint", str(t / "c.pt")],
         3,
@@ -180,8 +222,17 @@ def test_bad_input_ends_with_one_line_naming_the_option_and_the_fix(
     assert "Traceback" not in out + err
     # torch's advice to turn the unpickling protection off is never relayed.
     assert "weights_only=False" not in err
-    # Nothing was trained on bad input: no output file appeared.
+    # Nothing was trained on bad input: no output file appeared, none was replaced.
     assert not (tmp_path / "c.pt").exists()
+    assert not any((tmp_path / name).exists() for name in ("p.txt", "curves"))
+    earlier = tmp_path / "earlier.pt"
+    assert not earlier.exists() or torch.load(earlier, weights_only=True) == {"epoch": 1}
+
+
+def test_an_unknown_top_level_option_is_named_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"{ERROR_PREFIX}unrecognized arguments: --bogus\n"
 
 
 def test_checkpoint_write_removes_stale_temp_files(tmp_path: Path) -> None:
@@ -202,9 +253,10 @@ def test_a_diverging_run_keeps_the_last_complete_checkpoint(
     base = ["train", "--data", "random", "--checkpoint", str(ckpt), "--epochs", "1"]
     assert main(base) == 0
     before = ckpt.read_bytes()
-    # A different --lr cannot resume this checkpoint, so the diverging run writes to it afresh:
-    # it must stop at the first non-finite loss without replacing the file.
-    assert main(["train", "--lr", "1e10", "--checkpoint", str(ckpt), "--epochs", "2"]) == 3
+    # A different --lr cannot resume this checkpoint, so the diverging run replaces it
+    # (--overwrite): it must stop at the first non-finite loss without replacing the file.
+    diverging = ["train", "--lr", "1e10", "--checkpoint", str(ckpt), "--epochs", "2"]
+    assert main([*diverging, "--overwrite"]) == 3
     assert ckpt.read_bytes() == before
     err = capsys.readouterr().err
     assert "expected a finite loss" in err and "keeps the last complete checkpoint" in err

@@ -204,3 +204,50 @@ def test_e2e_cases_report_ratios_overheads_and_verdicts() -> None:
             assert case.met is not None  # µs cases carry a target, so a verdict
     mlp_two = next(c for c in cases if c.name == "e2e_mlp_inference_2x")
     assert mlp_two.target == 1.3 and mlp_two.met is not None
+
+
+def test_full_set_times_the_clis_own_ddp_path() -> None:
+    from benchmarks.bench_train_ddp import command
+    from benchmarks.cases import case_train_ddp
+
+    assert case_train_ddp in FULL and case_train_ddp not in QUICK
+    ours = command("ours", 100, 2, Path("f.json"))
+    # the command a user runs, not a hand-written loop
+    assert ours[1:] == [
+        "-m",
+        "dataparallel",
+        "train",
+        "--strategy",
+        "ddp",
+        "--nproc-per-node",
+        "2",
+        "--data",
+        "random",
+        "--epochs",
+        "100",
+        "--no-progress",
+        "--json",
+        "f.json",
+    ]
+    assert command("raw", 100, 2, Path("f.json"))[1:3] == ["-m", "torch.distributed.run"]
+
+
+@pytest.mark.slow
+def test_train_ddp_rounds_report_both_sides_and_their_paired_ratio() -> None:
+    from benchmarks.bench_train_ddp import TARGET, run_rounds
+
+    # One round (two launches of two processes each): the shape and the arithmetic, not speed.
+    report = run_rounds(rounds=1, epochs=2, echo=False)
+    runs = report["runs"]
+    assert set(runs) == {"ours", "raw"} and all(len(r) == 1 for r in runs.values())
+    for side in runs.values():
+        for run in side:
+            assert run["samples_per_s"] > 0 and run["wall_s"] > 0
+    ratios = [
+        o["samples_per_s"] / r["samples_per_s"]
+        for o, r in zip(runs["ours"], runs["raw"], strict=True)
+    ]
+    assert report["ratios"] == pytest.approx(ratios)
+    assert report["ratio"] == pytest.approx(statistics.median(ratios))
+    assert report["met"] == (report["ratio"] >= TARGET)
+    assert report["load_average_1min"]["max"] is not None

@@ -241,9 +241,25 @@ def test_two_process_ddp_counts_every_test_sample(
     assert code == 0, err
     figures = _json(out_json)
     assert figures["devices"] == ["cpu", "cpu"]
-    # 100 samples, 50 per rank; batches of 8 and 7: 7 steps on both ranks, last 2 + 1.
+    # 100 samples, 50 per rank; batches of 8 and 7: 7 steps on rank 0 (the last of 2 samples)
+    # and 8 on rank 1 (the last of 1), so rank 0 finishes first and Join covers it.
     assert figures["last_call"]["chunk_sizes"] == [2, 1]
     assert sum(c["total"] for c in figures["per_class"].values()) == 100
+
+
+def test_join_only_where_ranks_run_different_numbers_of_steps() -> None:
+    from dataparallel.demo.ddp import _needs_join, _rank_batches
+
+    # 100 samples on 2 ranks, batch 20 (10 + 10): 5 steps each.
+    assert not _needs_join(*_rank_batches(100, 2, 20))
+    # batch 15 (8 + 7): 7 steps against 8 (the two-process test above runs under Join).
+    assert _needs_join(*_rank_batches(100, 2, 15))
+    # batch 30 on 3 ranks (10 each) over 34/33/33 samples: 4 steps each.
+    assert not _needs_join(*_rank_batches(100, 3, 30))
+    # batch 3 on 2 ranks (2 + 1) over 50/50 samples: 25 steps against 50.
+    assert _needs_join(*_rank_batches(100, 2, 3))
+    # 3 samples on 4 ranks: one rank has none, so it finishes first.
+    assert _needs_join(*_rank_batches(3, 4, 4))
 
 
 # ------------------------------------------------------------------------- explain, bench
@@ -365,3 +381,43 @@ def test_bench_runs_the_quick_set_of_the_checkout(
     assert main(["bench", "--out", str(out)]) == 0
     assert main(["bench", "--full"]) == 0
     assert seen == [["--quick", "--out", str(out)], []]
+
+
+# ------------------------------------------------------- papercuts: --overwrite, --plot, --version
+
+
+def test_overwrite_replaces_an_earlier_runs_checkpoint_with_a_new_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "run.pt"
+    base = ["train", "--data", "random", "--checkpoint", str(ckpt)]
+    assert _run([*base, "--epochs", "2"], capsys)[0] == 0
+    assert load_checkpoint(ckpt)["epoch"] == 2
+    code, _, err = _run([*base, "--epochs", "1", "--lr", "0.05"], capsys)
+    assert code == 2 and "--overwrite" in err
+    assert load_checkpoint(ckpt)["epoch"] == 2  # refused: the earlier run is intact
+    code, _, err = _run([*base, "--epochs", "1", "--lr", "0.05", "--overwrite"], capsys)
+    assert code == 0, err
+    state = load_checkpoint(ckpt)
+    assert state["epoch"] == 1 and state["config"]["lr"] == 0.05
+
+
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_plot_writes_the_format_its_suffix_names(
+    suffix: str, magic: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / f"curves{suffix}"
+    assert _run(["train", "--data", "random", "--plot", str(plot)], capsys)[0] == 0
+    assert plot.read_bytes().startswith(magic)
+
+
+def test_version_prints_the_package_and_torch_versions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"dataparallel {version('dataparallel')} (torch {torch.__version__}")

@@ -19,7 +19,7 @@ import pytest
 # the leak check in conftest.py would pin on whichever test imported it first.
 from sklearn.datasets import load_digits  # noqa: F401
 
-from dataparallel.cli import build_parser, main
+from dataparallel.cli import BENCH_FULL_TIME, BENCH_QUICK_TIME, build_parser, main
 from dataparallel.demo.checkpoint import load_checkpoint
 from dataparallel.demo.data import load_dataset, write_cifar_like
 from dataparallel.scenarios import SCENARIOS
@@ -28,9 +28,9 @@ COMMANDS = ("train", "explain", "bench")
 
 # Help examples not run here, each with the reason (the rest are run as written).
 NOT_RUN = {
-    "dataparallel bench": "a timed run of about 30 s; the README check runs it",
+    "dataparallel bench": f"a timed run of {BENCH_QUICK_TIME}; the README check runs it",
     "dataparallel bench --out bench.json": "the same timed run, written elsewhere",
-    "dataparallel bench --full": "the full timed set, about 1.5 minutes",
+    "dataparallel bench --full": f"the full timed set, {BENCH_FULL_TIME}",
 }
 
 
@@ -254,3 +254,13 @@ def test_building_the_help_leaves_the_random_state_alone() -> None:
     torch.manual_seed(0)
     build_parser()  # lists the scenarios, whose inputs are random
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_bench_durations_in_help_are_the_readmes(capsys: pytest.CaptureFixture[str]) -> None:
+    # One measured figure each, said alike by `bench --help` and the README.
+    text = " ".join(_help(["bench"], capsys).split())
+    assert f"the full set, {BENCH_FULL_TIME}" in text
+    assert f"the quick set, {BENCH_QUICK_TIME}" in text
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"`make bench` (the full set, {BENCH_FULL_TIME}," in readme
+    assert f"`.venv/bin/dataparallel bench` (the quick set, {BENCH_QUICK_TIME})" in readme

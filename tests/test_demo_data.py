@@ -143,10 +143,14 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path: Path, how: str) 
 
 
 def test_missing_cifar_files_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="not a folder"):
+    with pytest.raises(DataError, match="got no such folder; fix: download https://") as info:
         load_dataset(f"cifar10:{tmp_path / 'nowhere'}")
+    assert "tar xzf cifar-10-python.tar.gz" in str(info.value)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(DataError, match="got a file; fix: download"):
+        load_dataset(f"cifar10:{tmp_path / 'a-file'}")
     (tmp_path / "notes.txt").write_text("no CIFAR here")
-    with pytest.raises(DataError, match=r"data_batch_1, test_batch are missing"):
+    with pytest.raises(DataError, match=r"data_batch_1, test_batch are missing; fix: download"):
         load_dataset(f"cifar10:{tmp_path}")
     folder = write_cifar_like(tmp_path / "cifar", n_train=5, n_test=5)
     (folder / "test_batch").unlink()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataparallel.cli import BENCH_FULL_TIME
 from dataparallel.demo.data import write_cifar_like
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +35,17 @@ MULTI_NODE = (
 )
 NOT_RUN = {
     "make test": "runs this very suite (with ruff and mypy): it is what runs this file",
-    "make bench": "the full benchmark set, about 2.5 minutes of timed runs; its quick set, "
+    "make bench": f"the full benchmark set, {BENCH_FULL_TIME} of timed runs; its quick set, "
     "`.venv/bin/dataparallel bench`, is run",
+    "make test-newest": "runs this very suite on the newest torch, in a second venv",
     "make readme-figures": "retrains and rewrites README.md and benchmarks/results/ in place; "
     "tests/test_readme_figures.py checks its output against the README and a fresh run",
     "make check-bare": "builds a second environment from the wheel; tests/test_bare_install.py "
     "runs the same script (scripts/bare_install.py)",
     MULTI_NODE: "two machines: needs HOST0 and a second node running the same command",
+    ".venv/bin/python benchmarks/bench_train_ddp.py": "about 90 s of timed DDP runs that "
+    "rewrite the committed benchmarks/results/ddp-train.json; tests/test_benchmarks.py runs one "
+    "short round of it",
 }
 GPU_ONLY = {
     # Without CUDA these say so and exit 0, which is what runs here; with CUDA they are the

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from dataparallel.demo.options import PLOT_FORMATS
+
 __all__ = ["build_parser", "main"]
 
 PROG = "dataparallel"
@@ -31,8 +33,11 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        # argparse prints the whole usage and exits; we want one line, so raise instead.
-        raise _UsageError(f"{self.prog.removeprefix(PROG + ' ')}: {message}")
+        # argparse prints the whole usage and exits; we want one line, so raise instead. A
+        # subcommand's errors name it ("train: ..."); the top level's need no name, as the line
+        # already starts with "dataparallel: error:".
+        where = self.prog.removeprefix(PROG).strip()
+        raise _UsageError(f"{where}: {message}" if where else message)
 
 
 def _int_at_least(low: int) -> Any:
@@ -163,11 +168,27 @@ EXPLAIN_EXAMPLES = (
         "the tutorial's last batch of 10 on three replicas (4/3/3)",
     ),
 )
+BENCH_QUICK_TIME = "about 30 s"
+"""How long the quick set runs, measured on the project's 2-core machine (the README says it)."""
+BENCH_FULL_TIME = "about 4 minutes"
+"""How long the full set (``make bench``) runs, measured there; the README says the same."""
+
 BENCH_EXAMPLES = (
-    ("dataparallel bench", "the quick set, about 30 s; JSON in benchmarks/results/"),
+    ("dataparallel bench", f"the quick set, {BENCH_QUICK_TIME}; JSON in benchmarks/results/"),
     ("dataparallel bench --out bench.json", "the same, JSON in bench.json"),
-    ("dataparallel bench --full", "the full set, about 1.5 minutes"),
+    ("dataparallel bench --full", f"the full set, {BENCH_FULL_TIME}"),
 )
+
+
+def _version_line() -> str:
+    """``dataparallel 0.1.0 (torch 2.13.0+cpu, Python 3.11.7)``: what a bug report needs."""
+    import platform
+
+    import torch
+
+    from dataparallel import __version__
+
+    return f"{PROG} {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
             "dataparallel explain -h, dataparallel bench -h."
         ),
         formatter_class=raw,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=_version_line(),
+        help="print the versions of dataparallel and torch, and exit",
     )
     sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
 
@@ -270,9 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from --checkpoint PATH up to --epochs in all (default: off)",
     )
     t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing file at --checkpoint PATH with this new run's checkpoint; "
+        "without it (or --resume) an existing file is an error (default: off)",
+    )
+    t.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG of loss and accuracy per epoch; needs matplotlib (default: none)",
+        help=f"write a plot of loss and accuracy per epoch, in the format its suffix names "
+        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib (default: none)",
     )
     t.add_argument("--json", metavar="PATH", help="write the final figures as JSON (default: none)")
     progress = t.add_mutually_exclusive_group()
@@ -336,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--full",
         action="store_true",
-        help="the full set, about 1.5 minutes (default: the quick set, about 30 s)",
+        help=f"the full set, {BENCH_FULL_TIME} (default: the quick set, {BENCH_QUICK_TIME})",
     )
     b.add_argument(
         "--out",
@@ -493,6 +527,7 @@ def _run(args_list: list[str]) -> int:
                 trace=args.trace,
                 checkpoint=args.checkpoint,
                 resume=args.resume,
+                overwrite=args.overwrite,
                 plot=args.plot,
                 json=args.json,
                 progress=args.progress,

@@ -28,6 +28,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 __all__ = [
     "CIFAR_CLASSES",
+    "CIFAR_HOWTO",
+    "CIFAR_URL",
     "HYPER",
     "DataError",
     "DemoData",
@@ -72,6 +74,7 @@ HYPER: dict[str, Hyper] = {
 }
 """Per-dataset defaults of ``--batch-size``, ``--epochs`` and ``--lr``, by dataset name."""
 _CIFAR_TEST = "test_batch"
+CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 _CIFAR_META = "batches.meta"
 
 
@@ -277,6 +280,13 @@ def _class_names(folder: Path) -> tuple[str, ...]:
     return tuple(n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in names)
 
 
+CIFAR_HOWTO = (
+    f"download {CIFAR_URL} (about 170 MB), unpack it with `tar xzf cifar-10-python.tar.gz` "
+    f"and pass --data cifar10:cifar-10-batches-py (the folder it makes)"
+)
+"""How to get the real CIFAR-10, as the errors about a missing folder or batch say it."""
+
+
 def load_cifar10(folder: str | os.PathLike[str]) -> DemoData:
     """The official CIFAR-10 python batches in ``folder``, as (N, 3, 32, 32) images in [-1, 1].
 
@@ -289,9 +299,11 @@ def load_cifar10(folder: str | os.PathLike[str]) -> DemoData:
     """
     root = Path(folder).expanduser()
     if not root.is_dir():
+        got = "a file" if root.exists() else "no such folder"
         raise DataError(
             f"--data cifar10:{folder}: expected a folder holding the CIFAR-10 python batches "
-            f"(data_batch_1..5, test_batch), got a path that is not a folder"
+            f"(data_batch_1..5, test_batch), got {got}; fix: {CIFAR_HOWTO}, or use --data "
+            f"digits (bundled)"
         )
     train_files = [root / n for n in _CIFAR_TRAIN if (root / n).is_file()]
     test_file = root / _CIFAR_TEST
@@ -300,8 +312,7 @@ def load_cifar10(folder: str | os.PathLike[str]) -> DemoData:
         raise DataError(
             f"--data cifar10:{folder}: expected the CIFAR-10 python batches (data_batch_1..5 "
             f"and test_batch), but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-            f"missing; unpack cifar-10-python.tar.gz from "
-            f"https://www.cs.toronto.edu/~kriz/cifar.html and point at cifar-10-batches-py"
+            f"missing; fix: {CIFAR_HOWTO}"
         )
     parts = [_batch_arrays(p) for p in train_files]
     test_images, test_labels = _batch_arrays(test_file)

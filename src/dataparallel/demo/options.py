@@ -19,6 +19,7 @@ from typing import Any
 from dataparallel.demo.data import DataError, DemoData, load_dataset
 
 __all__ = [
+    "PLOT_FORMATS",
     "EpochStats",
     "TrainOptions",
     "TrainResult",
@@ -30,6 +31,10 @@ __all__ = [
     "load_data",
     "resolve_hyper",
 ]
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+"""The ``--plot`` suffixes: formats matplotlib's Agg canvas writes with what it installs."""
 
 
 class UsageError(Exception):
@@ -57,6 +62,7 @@ class TrainOptions:
     trace: bool = False
     checkpoint: str | None = None
     resume: bool = False
+    overwrite: bool = False  # replace an existing file at checkpoint (a new run, not --resume)
     plot: str | None = None
     json: str | None = None
     progress: bool | None = None  # None: a bar when stderr is a terminal
@@ -175,13 +181,54 @@ def check_outputs(opts: TrainOptions) -> None:
     Raises:
         UsageError: one of ``--checkpoint``, ``--json``, ``--plot`` cannot be written.
     """
+    if opts.overwrite and (opts.resume or not opts.checkpoint):
+        got = "--resume, which continues the file" if opts.resume else "no --checkpoint"
+        raise UsageError(
+            f"--overwrite: expected --checkpoint PATH of a new run, got {got}; fix: drop "
+            f"--overwrite, or pass --checkpoint PATH without --resume"
+        )
+    if opts.checkpoint and not opts.resume and not opts.overwrite:
+        _refuse_existing_checkpoint(opts.checkpoint)
     # A missing checkpoint to --resume from is reported by load_checkpoint, in its own words.
     if opts.checkpoint and not (opts.resume and not Path(opts.checkpoint).is_file()):
         check_output_path("--checkpoint", opts.checkpoint, replace=True)
     if opts.json:
         check_output_path("--json", opts.json)
     if opts.plot:
+        check_plot_suffix(opts.plot)
         check_output_path("--plot", opts.plot)
+
+
+def _refuse_existing_checkpoint(path: str) -> None:
+    """A new run (no ``--resume``) never replaces a file silently: it may be another run's only
+    copy of hours of training.
+
+    Raises:
+        UsageError: ``path`` exists (a folder is left to :func:`check_output_path`).
+    """
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UsageError(
+            f"--checkpoint {path!r}: expected a path with no file yet (this run starts from "
+            f"scratch), got an existing file, perhaps another run's checkpoint; fix: --resume "
+            f"to continue it, --overwrite to replace it, or another path"
+        )
+
+
+def check_plot_suffix(path: str) -> None:
+    """``--plot`` writes the format its suffix names, so the suffix must name one.
+
+    Raises:
+        UsageError: the suffix is not one of :data:`PLOT_FORMATS`.
+    """
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        stem = Path(path).with_suffix("") if suffix else Path(path)
+        raise UsageError(
+            f"--plot {path!r}: expected a file name ending in "
+            f"{', '.join('.' + f for f in PLOT_FORMATS)}, got "
+            f"{repr('.' + suffix) if suffix else 'no suffix'}; fix: --plot {stem}.png"
+        )
 
 
 def check_finite_loss(loss: float, epoch: int, step: int | None, lr: float) -> None:

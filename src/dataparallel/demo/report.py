@@ -7,6 +7,7 @@ strategies report in exactly the same form.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ __all__ = [
     "per_class",
     "print_epoch",
     "progress_bar",
+    "progress_shown",
     "require_matplotlib",
     "write_json",
     "write_plot",
@@ -38,8 +40,14 @@ def per_class(
     return [(classes[i], int(correct[i]), int(total[i])) for i in range(k)]
 
 
-def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
-    """A tqdm bar over ``total`` samples; ``enabled=None`` shows it when stderr is a terminal."""
+def progress_shown(enabled: bool | None) -> bool:
+    """Whether a bar is drawn: ``enabled``, or for ``None`` whether stderr is a terminal."""
+    return sys.stderr.isatty() if enabled is None else enabled
+
+
+@functools.cache
+def _bar_class() -> Any:
+    """tqdm without its monitor, made once (a class made per bar is work and garbage)."""
     from tqdm import tqdm
 
     class _Bar(tqdm):
@@ -47,9 +55,18 @@ def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
         # updated every step does not need it.
         monitor_interval = 0
 
-    show = sys.stderr.isatty() if enabled is None else enabled
-    return _Bar(
-        total=total, desc=desc, unit="sample", leave=False, dynamic_ncols=True, disable=not show
+    return _Bar
+
+
+def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
+    """A tqdm bar over ``total`` samples; ``enabled=None`` shows it when stderr is a terminal."""
+    return _bar_class()(
+        total=total,
+        desc=desc,
+        unit="sample",
+        leave=False,
+        dynamic_ncols=True,
+        disable=not progress_shown(enabled),
     )
 
 
@@ -116,7 +133,8 @@ def require_matplotlib() -> None:
 
 
 def write_plot(path: str, history: Sequence[EpochStats]) -> None:
-    """A PNG of the training loss and test accuracy per epoch (matplotlib, Agg canvas).
+    """A plot of the training loss and test accuracy per epoch (matplotlib, Agg canvas), in the
+    format the suffix of ``path`` names (``.png``, ``.pdf``, ``.svg``, ``.jpg``).
 
     Raises:
         UsageError: matplotlib is not installed.
@@ -137,4 +155,5 @@ def write_plot(path: str, history: Sequence[EpochStats]) -> None:
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, format="png", dpi=100)
+    # The suffix names the format (checked before the run by check_plot_suffix).
+    fig.savefig(target, format=target.suffix.lower().lstrip(".") or "png", dpi=100)
