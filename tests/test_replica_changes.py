@@ -310,3 +310,20 @@ def test_data_parallel_reuses_its_replicas_across_calls() -> None:
     model.seen.clear()
     dp.data_parallel(model, x, ["cpu", "cpu"])
     assert sorted(model.seen) == first and len(set(first)) == 2
+
+
+def test_a_buffer_copy_is_written_in_place_only_while_no_graph_holds_it() -> None:
+    model = _flex()  # eval(): BatchNorm saves its running statistics for backward
+    x = torch.randn(6, 4, requires_grad=True)
+    _, r1 = replicate(model, ["cpu", "cpu"])
+    first = r1.bn.running_mean
+    out = r1(x)  # this graph saved replica 1's copy
+    _, r1 = replicate(model, ["cpu", "cpu"])
+    assert r1.bn.running_mean is not first  # held by the graph: replaced
+    out.sum().backward()  # no error: the saved copy was never written
+    del out
+    second = r1.bn.running_mean
+    r1(x).sum().backward()  # this graph is freed by its backward
+    _, r1 = replicate(model, ["cpu", "cpu"])
+    assert r1.bn.running_mean is second  # free again: written in place
+    torch.testing.assert_close(r1.bn.running_mean, model.bn.running_mean)

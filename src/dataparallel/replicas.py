@@ -20,14 +20,15 @@ What is synced, and why:
   updates do not bump ``_version``);
 - buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
   running statistics update exactly as in torch, from replica 0's chunk; every other replica
-  has private copies, made fresh on every call with grad enabled and refreshed in place only
-  between calls without grad.
+  has private copies, written in place while nothing else holds them, else made anew.
 
-Copy on write: a tensor that an autograd graph may have saved is never overwritten. Only calls
-with grad enabled build graphs, and they always get new copies; the copies refreshed in place
-were made, and have only been used, by calls without grad (in the same grad mode: inference
-tensors stay inference tensors). So two calls then one backward, ``max_size`` waves, BatchNorm
-in ``eval()`` and buffers used as factors all differentiate what their own call saw.
+Copy on write: a tensor that an autograd graph may have saved is never overwritten. Parameter
+copies: only calls with grad enabled build graphs, and they always get new copies; the copies
+refreshed in place were made, and have only been used, by calls without grad (in the same
+mode: inference tensors stay inference tensors). Buffer copies: a graph that saved one holds
+a reference to it (``Tensor._use_count`` above 1) until backward frees the graph. So two calls
+then one backward, ``max_size`` waves, BatchNorm in ``eval()`` and buffers used as factors all
+differentiate what their own call saw.
 
 Compiled submodules: ``torch.compile(child)`` (an ``OptimizedModule``) is looked through, and
 a child compiled in place (``child.compile()``) loses its compiled call on the replicas: each
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -167,9 +169,6 @@ class Replicas:
         self.private_slots: list[list[int]] = [
             [i for i, mine in enumerate(row) if mine is not None] for row in self.private
         ]
-        # The grad mode each private copy may be refreshed in place under (None: never, it was
-        # made by a call with grad enabled, whose graph may hold it).
-        self.private_mode: list[list[str | None]] = [[None] * len(self.buffers) for _ in range(n)]
         # Parameter copies per target device key: tensors aligned with self.params (None where
         # the parameter lives on that device), and the grad mode each may be refreshed in
         # place under (None: never).
@@ -220,9 +219,10 @@ class Replicas:
         # tensors its dictionaries hold (None: to be installed); what the last fill saw.
         self.current: list[torch.Tensor] = list(self.buffers)
         self.installed: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * n
-        # (mode, the buffers list, copies, sources) when every private copy may be refreshed
-        # in place in that mode: the next such sync is one fused copy.
-        self.ready: tuple[str, list[torch.Tensor], list[Any], list[torch.Tensor]] | None = None
+        # (inference mode, the buffers list, copies, sources) when every private copy was
+        # written or made in place by the last sync: the next one, in the same mode and with
+        # no graph holding a copy, is one fused copy.
+        self.ready: tuple[bool, list[torch.Tensor], list[Any], list[torch.Tensor]] | None = None
         self.snapshot: Snapshot | None = None
 
     # -- what changed ---------------------------------------------------------------------------
@@ -352,16 +352,24 @@ class Replicas:
     def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Bring every private buffer copy in line with the module's buffers.
 
-        With grad enabled every copy is new (a buffer requiring grad copied differentiably, as
-        torch broadcasts it): the last call's graph may have saved the old one (BatchNorm in
-        ``eval()``, a buffer used as a factor). Without grad, copies made without grad are
-        written in place, in one fused call: BatchNorm updates running statistics without
-        bumping ``_version``, so no cheap test can tell that either side changed.
+        A copy is written in place only when nothing but this set holds it: its tensor's use
+        count is 1, so no autograd graph saved it (BatchNorm in ``eval()`` and a buffer used as
+        a factor are saved; ``Tensor._use_count`` drops back once the graph is freed). Else a
+        new copy is made. A buffer that requires grad is copied differentiably on every call
+        with grad enabled, as torch broadcasts it. The writes are one fused copy: BatchNorm
+        updates running statistics without bumping ``_version``, so no cheap test can tell
+        that either side changed.
         """
         mode = _mode()
+        inference = mode == "inference"
         ready = self.ready
-        if ready is not None and ready[0] == mode and ready[1] is buffers:
-            try:  # every copy reusable in this mode, as the last call left them
+        if (
+            ready is not None
+            and ready[0] == inference
+            and ready[1] is buffers
+            and max(map(_USE_COUNT, ready[2]), default=1) == 1
+        ):
+            try:  # every copy free to write, as the last call left them
                 _copy_all(ready[2], ready[3])
                 return
             except RuntimeError:  # a buffer's shape changed through .data: the careful path
@@ -369,40 +377,38 @@ class Replicas:
         self.ready = None
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
+        reusable = True
         with torch.no_grad():
             for j, device in enumerate(self.devices):
-                row, modes = self.private[j], self.private_mode[j]
+                row = self.private[j]
                 for i in self.private_slots[j]:
                     b = buffers[i]
                     mine = row[i]
-                    if mode is None:
-                        if b.requires_grad:
-                            with torch.enable_grad():
-                                row[i] = _copy_to(b, device)
-                        else:
-                            row[i] = _copy_to(b.detach(), device)
-                        modes[i] = None
+                    if mode is None and b.requires_grad:
+                        with torch.enable_grad():
+                            row[i] = _copy_to(b, device)
+                        reusable = False
                     elif (
                         mine is _NOT_YET
                         or mine is None
-                        or modes[i] != mode
+                        or mine.is_inference() != inference
                         or mine.shape != b.shape
                         or mine.dtype != b.dtype
+                        or _USE_COUNT(mine) != 1
                     ):
                         row[i] = _copy_to(b.detach(), device)
-                        modes[i] = mode
                     else:
                         dests.append(mine)
                         sources.append(b.detach())
             _copy_all(dests, sources)
-        if mode is not None:
+        if reusable:
             # Next time, in this mode, on these buffers: one fused copy and nothing else.
             pairs = [
                 (row[i], buffers[i])
                 for row, slots in zip(self.private, self.private_slots, strict=True)
                 for i in slots
             ]
-            self.ready = (mode, buffers, [a for a, _ in pairs], [b.detach() for _, b in pairs])
+            self.ready = (inference, buffers, [a for a, _ in pairs], [b.detach() for _, b in pairs])
 
     def _buffers_of(self, j: int, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """The buffers replica ``j`` uses: the module's own where it has no private copy."""
@@ -609,6 +615,14 @@ def _mode() -> str | None:
     if torch.is_grad_enabled():
         return None
     return "inference" if torch.is_inference_mode_enabled() else "no_grad"
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> int:
+    return 2  # no use count to read (a torch without it): never write a copy in place
+
+
+# How many owners a tensor has (1: only its Python object; a graph that saved it is another).
+_USE_COUNT: Callable[[torch.Tensor], int] = getattr(torch.Tensor, "_use_count", _held_elsewhere)
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
