@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
+from dataparallel.app.launch import free_port
 from dataparallel.distributed import ShardedSampler, ddp_session, shard
-from dataparallel.launch import free_port
 
 __all__ = ["main"]
 

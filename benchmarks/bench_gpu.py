@@ -104,7 +104,7 @@ def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[],
 
 def case_train_step(settings: Settings) -> list[Case]:
     """DataParallel on [0] and [0, 0] vs the plain module and torch.nn.DataParallel."""
-    from dataparallel.demo.models import Net
+    from dataparallel.app.demo.models import Net
     from dataparallel.wrapper import DataParallel
 
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ from torch import nn
 
 from benchmarks.e2e import case_e2e
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
 from dataparallel.gather import gather
 from dataparallel.markers import Shared
 from dataparallel.plan import plan

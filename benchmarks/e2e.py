@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
 from dataparallel.wrapper import DataParallel
 
 __all__ = ["REPLICAS", "Floor", "case_e2e", "overhead_us"]

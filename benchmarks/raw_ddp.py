@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from dataparallel.demo.data import load_dataset
-from dataparallel.demo.models import build_model
+from dataparallel.app.demo.data import load_dataset
+from dataparallel.app.demo.models import build_model
 
 __all__ = ["main"]
 

@@ -215,8 +215,8 @@ def _seed_sweep() -> dict[str, Any]:
 
     import torch
 
-    from dataparallel.demo.options import TrainOptions
-    from dataparallel.demo.train import train
+    from dataparallel.app.demo.options import TrainOptions
+    from dataparallel.app.demo.train import train
 
     before = torch.get_num_threads()
     runs = []
@@ -247,8 +247,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _sample_output(train: dict[str, Any], seeds: dict[str, Any]) -> str:
-    from dataparallel.demo.options import EpochStats, TrainResult
-    from dataparallel.demo.report import format_report
+    from dataparallel.app.demo.options import EpochStats, TrainResult
+    from dataparallel.app.demo.report import format_report
 
     result = TrainResult(
         data=train["data"],

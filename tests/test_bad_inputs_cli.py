@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from dataparallel.cli import main
-from dataparallel.demo.checkpoint import save_checkpoint
-from dataparallel.demo.data import write_cifar_like
+from dataparallel.app.cli import main
+from dataparallel.app.demo.checkpoint import save_checkpoint
+from dataparallel.app.demo.data import write_cifar_like
 
 ERROR_PREFIX = "dataparallel: error: "
 

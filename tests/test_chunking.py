@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataparallel.chunking import cut_batch, even_sizes, weighted_sizes
+from dataparallel.plan._chunks import cut_batch, even_sizes, weighted_sizes
 
 
 @pytest.mark.parametrize(

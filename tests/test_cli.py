@@ -1,6 +1,6 @@
 """The ``dataparallel`` command line: train (dp and ddp), explain, bench, and its errors.
 
-Most runs go through ``dataparallel.cli.main(argv)`` in this process (fast); one runs the real
+Most runs go through ``dataparallel.app.cli.main(argv)`` in this process (fast); one runs the real
 entry, ``python -m dataparallel``, in a subprocess.
 """
 
@@ -22,10 +22,10 @@ import torch
 from sklearn.datasets import load_digits  # noqa: F401
 from sklearn.model_selection import train_test_split  # noqa: F401
 
-from dataparallel.cli import main
-from dataparallel.demo.checkpoint import load_checkpoint, save_checkpoint
-from dataparallel.demo.data import load_dataset, write_cifar_like
-from dataparallel.demo.models import build_model
+from dataparallel.app.cli import main
+from dataparallel.app.demo.checkpoint import load_checkpoint, save_checkpoint
+from dataparallel.app.demo.data import load_dataset, write_cifar_like
+from dataparallel.app.demo.models import build_model
 
 ERROR_PREFIX = "dataparallel: error: "
 
@@ -248,7 +248,7 @@ def test_two_process_ddp_counts_every_test_sample(
 
 
 def test_join_only_where_ranks_run_different_numbers_of_steps() -> None:
-    from dataparallel.demo.ddp import _needs_join, _rank_batches
+    from dataparallel.app.demo.ddp import _needs_join, _rank_batches
 
     # 100 samples on 2 ranks, batch 20 (10 + 10): 5 steps each.
     assert not _needs_join(*_rank_batches(100, 2, 20))
@@ -266,8 +266,8 @@ def test_join_only_where_ranks_run_different_numbers_of_steps() -> None:
 
 
 def test_explain_prints_every_scenarios_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataparallel.app.scenarios import SCENARIOS
     from dataparallel.plan import plan
-    from dataparallel.scenarios import SCENARIOS
 
     code, out, _ = _run(["explain"], capsys)
     assert code == 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dataparallel.demo.checkpoint import load_checkpoint
+from dataparallel.app.demo.checkpoint import load_checkpoint
 
 pytestmark = [
     pytest.mark.slow,

@@ -17,7 +17,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split  # noqa: F401
 
-from dataparallel.demo.data import (
+from dataparallel.app.demo.data import (
     CIFAR_CLASSES,
     DataError,
     RandomDataset,

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from dataparallel.app.scenarios import SCENARIOS
 from dataparallel.plan import plan
 from dataparallel.scatter import take
-from dataparallel.scenarios import SCENARIOS
 
 CPU2 = ["cpu", "cpu"]
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.call_stats import Overrides
+from dataparallel.wrapper import _Overrides as Overrides
 
 CPU2 = ["cpu", "cpu"]
 

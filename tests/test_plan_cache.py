@@ -18,7 +18,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.plan import build_plan
-from dataparallel.plan_cache import PlanCache, signature
+from dataparallel.plan._cache import PlanCache, signature
 from dataparallel.scatter import take
 
 CPU2 = ["cpu", "cpu"]
@@ -209,7 +209,7 @@ def test_module_changes_between_calls_of_one_signature_are_seen() -> None:
 
 @pytest.mark.parametrize("dtype", [None, torch.float64])
 def test_flat_chunks_of_a_bare_plan_equal_take(dtype: torch.dtype | None) -> None:
-    from dataparallel.plan_cache import take_flat
+    from dataparallel.plan._cache import take_flat
 
     cache = PlanCache()
     devices = [torch.device("cpu"), torch.device("cpu", 1), torch.device("cpu")]

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataparallel.cli import BENCH_FULL_TIME
-from dataparallel.demo.data import write_cifar_like
+from dataparallel.app.cli import BENCH_FULL_TIME
+from dataparallel.app.demo.data import write_cifar_like
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from dataparallel.cli import main
+from dataparallel.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

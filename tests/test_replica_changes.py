@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dataparallel.fingerprint import Snapshot
 from dataparallel.replicate import replicate
+from dataparallel.replicate._check import Snapshot
 
 # "cpu:1" makes replica 1 a copy on another device (parameters copied), so both the shared
 # and the copied paths are checked.

@@ -1,5 +1,5 @@
 """The wrapper presents the wrapped module's call signature to introspection
-(``dataparallel.signature``), without a cycle, a slower call, or a change to what runs."""
+(``dataparallel._signature``), without a cycle, a slower call, or a change to what runs."""
 
 from __future__ import annotations
 

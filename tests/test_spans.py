@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.spans import EventPool, Span, cuda_pool
+from dataparallel._spans import EventPool, Span, cuda_pool
 
 
 class Stream:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import dataparallel as dp
-from dataparallel import thread_state
+from dataparallel import _thread_state as thread_state
 from dataparallel.parallel_apply import THREAD_PREFIX
 
 DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dataparallel as dp
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
 
 
 @dataclasses.dataclass

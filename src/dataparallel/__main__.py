@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataparallel.cli import main
+from dataparallel.app.cli import main
 
 __all__: list[str] = []
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from dataparallel._tree import container_kind, contains_array, struct_items
 from dataparallel.devices import DeviceSpec, resolve_device
 from dataparallel.gather import first_batch_size, gather
-from dataparallel.tree import container_kind, contains_array, struct_items
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel

@@ -2,7 +2,7 @@
 
 ``torch.nn.DataParallel`` concatenates every tensor it finds, turns 0-dim losses into a vector
 and fails on strings, dataclasses and lists of boxes. ``gather`` reads each output by what it
-is, under the rules of DESIGN.md ("The gather rules"): batched tensors are concatenated, losses
+is, under the README's gather rules: batched tensors are concatenated, losses
 averaged by chunk size, per-sample lists joined, structures rebuilt with their own type, and
 everything else kept once when the replicas agree.
 
@@ -23,21 +23,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataparallel.devices import DeviceSpec
-from dataparallel.devices import target_device as resolve_target
-from dataparallel.guards import (
+from dataparallel._checks import (
     check_chunk_sizes_of,
     check_gather_sizes,
     check_scalar_weights,
     concat_error,
 )
-from dataparallel.output_rules import (
+from dataparallel._output_rules import (
     check_output_rules,
     rnn_state_shapes,
     warn_even_count,
     warn_unmatched,
 )
-from dataparallel.outputs import (
+from dataparallel._outputs import (
     ARRAY,
     ATOMS,
     BOOL,
@@ -63,8 +61,10 @@ from dataparallel.outputs import (
     sum_all,
     to_target,
 )
-from dataparallel.packed import gather_packed, is_packed
-from dataparallel.warn import warn_user
+from dataparallel._packed import gather_packed, is_packed
+from dataparallel._warn import warn_user
+from dataparallel.devices import DeviceSpec
+from dataparallel.devices import target_device as resolve_target
 
 __all__ = ["ScalarMode", "concat_batched", "first_batch_size", "gather", "gather_one"]
 

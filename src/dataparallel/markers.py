@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Shared", "Split"]
 
@@ -49,8 +49,3 @@ class Split(Generic[T]):
     def __repr__(self) -> str:
         extra = "" if self.dim is None else f", dim={self.dim}"
         return f"Split({self.obj!r}{extra})"
-
-
-def unwrap(obj: Any) -> Any:
-    """The object inside a marker, or ``obj`` itself."""
-    return obj.obj if isinstance(obj, (Shared, Split)) else obj

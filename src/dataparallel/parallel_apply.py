@@ -11,7 +11,7 @@ Each task replays the caller's context in its worker:
 
 - grad mode (``torch.is_grad_enabled()``);
 - inference mode, a default device (``torch.set_default_device``) and the caller's
-  ``contextvars`` (see :mod:`dataparallel.thread_state`);
+  ``contextvars`` (see :mod:`dataparallel._thread_state`);
 - autocast: the state (enabled, dtype) for the replica's device type, and the CPU autocast
   state too when the device is not the CPU;
 - on CUDA, the device (``torch.cuda.device``) and a stream: the first replica on a device runs
@@ -22,7 +22,7 @@ Each task replays the caller's context in its worker:
 
 State a worker cannot share (a ``torch.func`` transform, a dispatch mode or another function
 mode, saved-tensor hooks) makes the call run every replica inline on the caller's thread, one
-after another, so the result is one device's (:mod:`dataparallel.thread_state`).
+after another, so the result is one device's (:mod:`dataparallel._thread_state`).
 
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
@@ -47,10 +47,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dataparallel import thread_state
+from dataparallel import _thread_state as thread_state
+from dataparallel._spans import Span, cuda_pool
+from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
-from dataparallel.spans import Span, cuda_pool
-from dataparallel.thread_state import Replay
 
 __all__ = ["apply_replicas", "describe_inputs", "parallel_apply"]
 
@@ -359,7 +359,7 @@ def parallel_apply(
         devices: one device spec per module; ``None`` infers each from its first input tensor
             (else the module's first tensor, else the CPU).
         timings: if a list is given, it is filled with each replica's time: wall-clock seconds
-            on the CPU; on CUDA a ``dataparallel.spans.Span`` of pooled events on the
+            on the CPU; on CUDA a ``dataparallel._spans.Span`` of pooled events on the
             replica's stream, whose ``float()`` gives the seconds (waiting for the stream only
             then, not per call).
 

@@ -13,21 +13,22 @@ from typing import Any
 
 import torch
 
+from dataparallel._movable import move_item
+from dataparallel._packed import take_packed
+from dataparallel._tree import LIST, TooDeep, map_tensors, rebuild
+from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
-from dataparallel.packed import PackedNode, take_packed
 from dataparallel.plan import build_plan, check_options
-from dataparallel.plan_model import (
+from dataparallel.plan._program import (
     BroadcastNode,
     Node,
+    PackedNode,
     PerSampleNode,
     Plan,
     SplitNode,
     StructNode,
 )
-from dataparallel.records import move_item
-from dataparallel.tree import LIST, TooDeep, map_tensors, rebuild
-from dataparallel.warn import warn_user
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
 
@@ -101,7 +102,7 @@ def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any
             return tuple(items)
         return rebuild(LIST, node.obj, [], items)
     if isinstance(node, PackedNode):
-        return take_packed(node, start, length, move)
+        return take_packed(node.padded, node.lengths, start, length, move)
     if isinstance(node, BroadcastNode):
         if not node.moves:
             return node.obj

@@ -12,13 +12,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
-from dataparallel.call_stats import CallStats, DeviceOutputs, Overrides, overrides
-from dataparallel.compiled import check_not_compiled
+from dataparallel._losses import ScalarWeights, SumAndCount, chunk_weights, combine, is_exact_mean
+from dataparallel._output_rules import check_output_rules
+from dataparallel._results import CallStats, DeviceOutputs
+from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
     ScalarMode,
@@ -27,15 +30,12 @@ from dataparallel.gather import (
     gather,
     gather_one,
 )
-from dataparallel.losses import ScalarWeights, SumAndCount, chunk_weights, combine, is_exact_mean
-from dataparallel.output_rules import check_output_rules
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
-from dataparallel.plan_cache import PlanCache, take_flat, take_whole
+from dataparallel.plan._cache import PlanCache, take_flat, take_whole
 from dataparallel.replicate import ReplicaSets, replicate
+from dataparallel.replicate._compiled import check_not_compiled
 from dataparallel.scatter import take
-from dataparallel.signature import SLOT, PresentedForward, PresentedSignature
-from dataparallel.warn import warn_user
 
 __all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
 
@@ -200,7 +200,7 @@ class DataParallel(nn.DataParallel):
         One path for every call: on one device the plan has one chunk, reused from the last
         call while the arguments' signature holds, its scatter moves nothing, and the module is
         its own replica, run on the caller's thread. Introspection sees the module's signature
-        (``dataparallel.signature``).
+        (``dataparallel._signature``).
 
         Calls through one wrapper run one at a time (a training thread and an evaluation
         thread sharing it take turns): its replicas are one set of objects, re-synced for each
@@ -216,7 +216,7 @@ class DataParallel(nn.DataParallel):
                 raise
 
     def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
+        steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         outputs: list[Any] = []
         devices: list[torch.device] = []
@@ -238,10 +238,10 @@ class DataParallel(nn.DataParallel):
 
     # -- the steps, each honouring its override -------------------------------------------------
 
-    def _find_overrides(self) -> Overrides:
+    def _find_overrides(self) -> _Overrides:
         """Which of torch's four steps this wrapper's class overrides: decided once, at
         construction (or at the first call of a wrapper unpickled from an older version)."""
-        steps = self.__dict__["_steps"] = overrides(type(self))
+        steps = self.__dict__["_steps"] = _overrides(type(self))
         return steps
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
@@ -260,7 +260,7 @@ class DataParallel(nn.DataParallel):
         wave: list[tuple[torch.device, int, int]],
         inputs: tuple[Any, ...],
         kwargs: dict[str, Any],
-        steps: Overrides,
+        steps: _Overrides,
     ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
         """One wave's chunks, their devices and sizes. A chunk that is the whole batch on the
         device where its tensors are (and no ``dtype`` cast) is the arguments themselves."""
@@ -302,7 +302,7 @@ class DataParallel(nn.DataParallel):
         args: Sequence[Any],
         kws: Sequence[Any],
         devices: list[torch.device],
-        steps: Overrides,
+        steps: _Overrides,
         timers: list[Any],
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
@@ -326,7 +326,7 @@ class DataParallel(nn.DataParallel):
         devices: list[torch.device],
         sizes: list[int],
         weights: list[float],
-        steps: Overrides,
+        steps: _Overrides,
     ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
@@ -429,6 +429,32 @@ class DataParallel(nn.DataParallel):
             self._warned.add(plan.warning_key)
             for message in plan.warnings:
                 warn_user(message)
+
+
+class _Overrides(NamedTuple):
+    """Which of torch's overridable steps a ``DataParallel`` subclass replaces."""
+
+    scatter: bool
+    replicate: bool
+    parallel_apply: bool
+    gather: bool
+
+
+def _overrides(cls: type) -> _Overrides:
+    """The steps ``cls`` (a ``DataParallel`` subclass, or the class itself) overrides.
+
+    >>> class Mine(DataParallel):
+    ...     def gather(self, outputs, output_device):
+    ...         return outputs
+    >>> _overrides(Mine)
+    _Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
+    """
+    return _Overrides(
+        *(
+            getattr(cls, name) is not getattr(DataParallel, name)
+            for name in ("scatter", "replicate", "parallel_apply", "gather")
+        )
+    )
 
 
 def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:

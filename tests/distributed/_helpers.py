@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from dataparallel.app.launch import free_port
 from dataparallel.distributed import DistInfo, destroy_distributed, init_distributed
-from dataparallel.launch import free_port
 
 __all__ = ["REPO", "assert_same", "child_env", "distributed", "run_workers"]
 

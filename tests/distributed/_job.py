@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
 from dataparallel.distributed import ddp_session, gather_all, init_distributed, shard
 
 

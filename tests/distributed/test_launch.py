@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dataparallel.launch import free_port, launch
+from dataparallel.app.launch import free_port, launch
 
 from ._helpers import REPO, child_env
 
@@ -22,7 +22,7 @@ def _launch_code(argv: list[str], nproc: int, **kwargs: object) -> str:
     """A ``python -c`` program that runs our launch() and exits with its result."""
     options = "".join(f", {k}={v!r}" for k, v in kwargs.items())
     return (
-        "import sys\nfrom dataparallel.launch import launch\n"
+        "import sys\nfrom dataparallel.app.launch import launch\n"
         f"sys.exit(launch({argv!r}, {nproc}{options}, module={JOB!r}))\n"
     )
 

@@ -14,7 +14,7 @@ import torch
 import torch._dynamo  # optimizers import it, and the import sets TORCHINDUCTOR_CACHE_DIR
 import torch.nn.functional as F
 
-from dataparallel.demo.models import Net
+from dataparallel.app.demo.models import Net
 from dataparallel.distributed import (
     ShardedSampler,
     ddp_session,

@@ -5,10 +5,10 @@ This module holds the command's entry points (:func:`train`, :func:`run_train`),
 
 - ``dp`` (one process, here): ``DataParallel(net, device_ids=devices)``; each batch is split
   over the replicas, the outputs are gathered and the loss is computed on the gathered output.
-- ``ddp`` (one process per device): :mod:`dataparallel.demo.ddp`.
-- options and results: :mod:`dataparallel.demo.options`; checkpoints and resuming:
-  :mod:`dataparallel.demo.checkpoint`; progress and the final report:
-  :mod:`dataparallel.demo.report`.
+- ``ddp`` (one process per device): :mod:`dataparallel.app.demo.ddp`.
+- options and results: :mod:`dataparallel.app.demo.options`; checkpoints and resuming:
+  :mod:`dataparallel.app.demo.checkpoint`; progress and the final report:
+  :mod:`dataparallel.app.demo.report`.
 
 Runs are deterministic for a given seed: the model is initialised from ``--seed`` and each
 epoch's order comes from ``(seed, epoch)``, so a run resumed from a checkpoint continues as if
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from dataparallel.demo.checkpoint import (
+from dataparallel.app.demo.checkpoint import (
     checkpoint_message,
     checkpoint_state,
     load_checkpoint,
@@ -35,10 +35,10 @@ from dataparallel.demo.checkpoint import (
     run_config,
     save_checkpoint,
 )
-from dataparallel.demo.data import DemoData
-from dataparallel.demo.ddp import ddp_train
-from dataparallel.demo.models import build_model
-from dataparallel.demo.options import (
+from dataparallel.app.demo.data import DemoData
+from dataparallel.app.demo.ddp import ddp_train
+from dataparallel.app.demo.models import build_model
+from dataparallel.app.demo.options import (
     EpochStats,
     TrainOptions,
     TrainResult,
@@ -48,7 +48,7 @@ from dataparallel.demo.options import (
     load_data,
     resolve_hyper,
 )
-from dataparallel.demo.report import (
+from dataparallel.app.demo.report import (
     format_report,
     per_class,
     print_epoch,
@@ -287,7 +287,7 @@ def run_train(opts: TrainOptions, argv: Sequence[str], out: TextIO | None = None
 
     Under ``--strategy ddp --nproc-per-node N`` (N > 1) outside torchrun, the options are
     checked here (so a bad one is reported once), then ``python -m dataparallel <argv>`` runs
-    in N workers through :func:`dataparallel.launch.launch`.
+    in N workers through :func:`dataparallel.app.launch.launch`.
     """
     stream = sys.stdout if out is None else out
     _check_options(opts)
@@ -297,7 +297,7 @@ def run_train(opts: TrainOptions, argv: Sequence[str], out: TextIO | None = None
             resolve_hyper(data, opts)
             if opts.resume and opts.checkpoint:
                 load_checkpoint(opts.checkpoint)
-            from dataparallel.launch import launch
+            from dataparallel.app.launch import launch
 
             return launch(list(argv), nproc_per_node=opts.nproc_per_node)
         result = train(opts, stream)

@@ -1,10 +1,9 @@
 """What ``dataparallel train`` was asked to do, and the figures it hands back.
 
 The options and results dataclasses, the usage error and the resolution of options against a
-dataset live here, apart from the loops, so that the dp loop (:mod:`dataparallel.demo.train`),
-the ddp loop (:mod:`dataparallel.demo.ddp`), the checkpoints (:mod:`dataparallel.demo.checkpoint`)
-and the report (:mod:`dataparallel.demo.report`) can all share them without importing each other
-in a cycle.
+dataset live here, apart from the loops, so that the dp loop (``train``), the ddp loop (``ddp``),
+the checkpoints (``checkpoint``) and the report (``report``) can all share them without
+importing each other in a cycle.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dataparallel.demo.data import DataError, DemoData, load_dataset
+from dataparallel.app.demo.data import DataError, DemoData, load_dataset
 
 __all__ = [
     "PLOT_FORMATS",

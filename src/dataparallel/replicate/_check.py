@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.guards import check_initialized
+from dataparallel._checks import check_initialized
 
 __all__ = ["Scripted", "Snapshot", "fingerprint", "self_referencing", "signature"]
 

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import torch
 
-from dataparallel.demo.options import EpochStats, TrainResult, UsageError
+from dataparallel.app.demo.options import EpochStats, TrainResult, UsageError
 
 __all__ = [
     "format_report",

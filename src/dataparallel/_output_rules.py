@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from dataparallel.warn import warn_user
+from dataparallel._warn import warn_user
 
 __all__ = [
     "RULE_NAMES",

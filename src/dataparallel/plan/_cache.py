@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from dataparallel.plan import build_plan, vote_batch_size
-from dataparallel.plan_model import BroadcastNode, Node, Plan, SplitNode, StructNode
+from dataparallel._tree import TooDeep, map_tensors
+from dataparallel.plan._program import BroadcastNode, Node, Plan, SplitNode, StructNode
+from dataparallel.plan._rules import build_plan, vote_batch_size
 from dataparallel.scatter import _mover, take
-from dataparallel.tree import TooDeep, map_tensors
 
 __all__ = ["PlanCache", "signature", "take_flat", "take_whole", "whole_batch"]
 

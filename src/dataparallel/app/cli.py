@@ -1,7 +1,7 @@
 """The ``dataparallel`` command line: ``train``, ``explain`` and ``bench``.
 
 This module only parses arguments and turns every way a run can end into one line on stderr
-and a conventional exit code; the work lives in :mod:`dataparallel.demo.train` and the library
+and a conventional exit code; the work lives in :mod:`dataparallel.app.demo.train` and the library
 itself. Exit codes: 0 done; 2 bad usage or input (``dataparallel: error: ...``, found before the
 first epoch); 3 training stopped (the loss was no longer finite); 130 interrupted (Ctrl-C; the
 last complete checkpoint is kept); 141 the reader of the output went away (``... | head``),
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from dataparallel.demo.options import PLOT_FORMATS
+from dataparallel.app.demo.options import PLOT_FORMATS
 
 __all__ = ["build_parser", "main"]
 
@@ -110,7 +110,7 @@ def _examples(*pairs: tuple[str, str]) -> str:
 
 def _per_dataset(field: str) -> str:
     """``"digits 20, random 1, cifar10 2"``: a default of every dataset, read from the code."""
-    from dataparallel.demo.data import HYPER
+    from dataparallel.app.demo.data import HYPER
 
     return ", ".join(f"{name} {getattr(hyper, field)}" for name, hyper in HYPER.items())
 
@@ -119,7 +119,7 @@ def _scenario_list() -> str:
     """The seed scenarios' names and titles, for ``explain --help``."""
     import torch
 
-    from dataparallel.scenarios import SCENARIOS
+    from dataparallel.app.scenarios import SCENARIOS
 
     width = max(len(name) for name in SCENARIOS)
     lines = ["scenarios (the seed calls of the design; NAME picks some, default: all):"]
@@ -382,9 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace) -> int:
     """Run ``benchmarks`` (a folder of the source checkout, beside ``src/``)."""
-    from dataparallel.demo.options import UsageError
+    from dataparallel.app.demo.options import UsageError
 
-    checkout = Path(__file__).resolve().parents[2]
+    checkout = Path(__file__).resolve().parents[3]
     if not (checkout / "benchmarks" / "__main__.py").is_file():
         raise UsageError(
             "bench: expected the benchmarks/ folder of a source checkout beside the package, "
@@ -397,7 +397,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     argv = [] if args.full else ["--quick"]
     if args.out:
-        from dataparallel.demo.options import check_output_path
+        from dataparallel.app.demo.options import check_output_path
 
         check_output_path("bench --out", args.out)
         argv += ["--out", args.out]
@@ -405,8 +405,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace, out: TextIO) -> int:
-    from dataparallel.demo.options import UsageError
-    from dataparallel.demo.train import parse_devices
+    from dataparallel.app.demo.options import UsageError
+    from dataparallel.app.demo.train import parse_devices
     from dataparallel.plan import plan
 
     if args.data is None:
@@ -423,7 +423,7 @@ def _explain(args: argparse.Namespace, out: TextIO) -> int:
                 f"devices); add --data digits, or drop {flag}"
             )
     else:
-        from dataparallel.demo.data import DataError, load_dataset
+        from dataparallel.app.demo.data import DataError, load_dataset
 
         try:
             data = load_dataset(args.data)
@@ -435,7 +435,7 @@ def _explain(args: argparse.Namespace, out: TextIO) -> int:
         print(f"{data.name}: one training batch of {len(batch)} on {where}", file=out)
         print(str(plan((batch,), {}, devices)), file=out)
         return 0
-    from dataparallel.scenarios import SCENARIOS
+    from dataparallel.app.scenarios import SCENARIOS
 
     names = list(args.scenarios) or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -467,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name; ``None`` reads ``sys.argv``.
     """
-    from dataparallel.launch import PEER_GONE_EXIT, peer_gone, watch_launcher
+    from dataparallel.app.launch import PEER_GONE_EXIT, peer_gone, watch_launcher
 
     # A worker of `--strategy ddp --nproc-per-node N` ends when its launcher dies, however.
     launched = watch_launcher()
@@ -506,8 +506,8 @@ def _silence_stdout() -> None:
 
 
 def _run(args_list: list[str]) -> int:
-    from dataparallel.demo.options import TrainingError, TrainOptions, UsageError
-    from dataparallel.demo.train import run_train
+    from dataparallel.app.demo.options import TrainingError, TrainOptions, UsageError
+    from dataparallel.app.demo.train import run_train
 
     rank = os.environ.get("RANK", "0")
     prefix = PROG if rank == "0" else f"{PROG} (rank {rank})"

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from dataparallel.plan_model import Node
-
-__all__ = ["PackedNode", "gather_packed", "is_packed", "take_packed"]
+__all__ = ["gather_packed", "is_packed", "sequence_count", "take_packed"]
 
 
 def is_packed(obj: Any) -> bool:
@@ -33,23 +31,13 @@ def sequence_count(packed: PackedSequence) -> int:
     return int(packed.batch_sizes[0]) if packed.batch_sizes.numel() else 0
 
 
-class PackedNode(Node):
-    """A compiled plan step: a ``PackedSequence`` split by sequence.
-
-    Holds the input unpacked (batch first, sequences in their original order) and the lengths
-    on the CPU, so each chunk is a slice and one ``pack_padded_sequence``.
-    """
-
-    __slots__ = ("lengths", "padded")
-
-    def __init__(self, packed: PackedSequence) -> None:
-        self.padded, self.lengths = pad_packed_sequence(packed, batch_first=True)
-
-
-def take_packed(node: PackedNode, start: int, length: int, move: Any) -> PackedSequence:
-    """Sequences ``[start, start + length)`` of the planned input, packed on the device."""
-    padded = node.padded.narrow(0, start, length)
-    lengths = node.lengths.narrow(0, start, length)
+def take_packed(
+    padded: torch.Tensor, lengths: torch.Tensor, start: int, length: int, move: Any
+) -> PackedSequence:
+    """Sequences ``[start, start + length)`` of an unpacked input (``padded`` batch first,
+    ``lengths`` on the CPU), packed again on the device."""
+    padded = padded.narrow(0, start, length)
+    lengths = lengths.narrow(0, start, length)
     longest = int(lengths.max()) if length else 0
     padded = move(padded.narrow(1, 0, longest))  # padding past the chunk's longest is dead
     return pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)

@@ -24,7 +24,6 @@ __all__ = [
     "TooDeep",
     "describe",
     "is_dataclass_instance",
-    "is_namedtuple",
     "map_tensors",
     "rebuild",
     "rebuild_mapping",
@@ -38,11 +37,6 @@ NAMEDTUPLE = "namedtuple"
 LIST = "list"
 MAPPING = "mapping"
 DATACLASS = "dataclass"
-
-
-def is_namedtuple(obj: Any) -> bool:
-    """True for instances of ``collections.namedtuple`` and ``typing.NamedTuple`` classes."""
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
 def is_dataclass_instance(obj: Any) -> bool:

@@ -1,20 +1,18 @@
-"""What a ``DataParallel`` call reports and returns besides its output, and which of its
-steps a subclass overrides.
+"""What a ``DataParallel`` call returns and reports besides its gathered output.
 
 ``CallStats`` is a call's load (``model.last_call``), ``DeviceOutputs`` the ungathered outputs
-of a ``gather=False`` call, and ``Overrides`` the record, made once per wrapper, of which of
-torch's four overridable steps its class replaces.
+of a ``gather=False`` call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-__all__ = ["CallStats", "DeviceOutputs", "Overrides", "overrides"]
+__all__ = ["CallStats", "DeviceOutputs"]
 
 
 @dataclass(frozen=True)
@@ -62,32 +60,3 @@ class DeviceOutputs(list[Any]):
         super().__init__(outputs)
         self.devices = list(devices)
         self.chunk_sizes = list(chunk_sizes)
-
-
-class Overrides(NamedTuple):
-    """Which of torch's overridable steps a ``DataParallel`` subclass replaces."""
-
-    scatter: bool
-    replicate: bool
-    parallel_apply: bool
-    gather: bool
-
-
-def overrides(cls: type) -> Overrides:
-    """The steps ``cls`` (a ``DataParallel`` subclass, or the class itself) overrides.
-
-    >>> from dataparallel.wrapper import DataParallel
-    >>> class Mine(DataParallel):
-    ...     def gather(self, outputs, output_device):
-    ...         return outputs
-    >>> overrides(Mine)
-    Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
-    """
-    from dataparallel.wrapper import DataParallel  # the base class; wrapper imports this module
-
-    return Overrides(
-        *(
-            getattr(cls, name) is not getattr(DataParallel, name)
-            for name in ("scatter", "replicate", "parallel_apply", "gather")
-        )
-    )

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel.packed import is_packed
-from dataparallel.tree import rebuild_mapping, rebuild_sequence
+from dataparallel._packed import is_packed
+from dataparallel._tree import rebuild_mapping, rebuild_sequence
 
 __all__ = [
     "ARRAY",

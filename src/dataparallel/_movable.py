@@ -19,8 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataparallel.markers import Shared, Split
-from dataparallel.tree import (
+from dataparallel._tree import (
     MAX_DEPTH,
     TooDeep,
     container_kind,
@@ -28,6 +27,7 @@ from dataparallel.tree import (
     rebuild,
     struct_items,
 )
+from dataparallel.markers import Shared, Split
 
 __all__ = ["has_to", "move_item"]
 

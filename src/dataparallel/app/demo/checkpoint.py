@@ -20,8 +20,8 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from dataparallel.demo.data import DemoData
-from dataparallel.demo.options import EpochStats, TrainOptions, UsageError
+from dataparallel.app.demo.data import DemoData
+from dataparallel.app.demo.options import EpochStats, TrainOptions, UsageError
 
 __all__ = [
     "CHECKPOINT_FORMAT",

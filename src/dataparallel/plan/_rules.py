@@ -4,7 +4,7 @@
 size, decides ``B``, gives every leaf a rule (``split``, ``per-sample`` or ``broadcast``) with
 the reason, and cuts ``B`` into chunk sizes (and waves under ``max_size``). The result is a
 ``Plan``: a readable record for ``explain`` and a compiled tree that ``dataparallel.scatter``
-executes for any slice of the batch. The rules are those of DESIGN.md, "The batch rules".
+executes for any slice of the batch. The rules are the README's ("The batch rules, in short").
 """
 
 from __future__ import annotations
@@ -15,30 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel.chunking import as_int, cut_batch
-from dataparallel.devices import DeviceSpec, resolve_devices
-from dataparallel.guards import (
+from dataparallel._checks import (
     check_batch_size_used,
     check_layout,
     check_mapping,
     dim_out_of_range,
     too_deep,
 )
-from dataparallel.markers import Shared, Split
-from dataparallel.packed import PackedNode, is_packed, sequence_count
-from dataparallel.plan_model import (
-    BroadcastNode,
-    Entry,
-    Node,
-    PerSampleNode,
-    Plan,
-    SplitNode,
-    StructNode,
-    Vote,
-)
-from dataparallel.plan_text import voters_phrase, warning_text
-from dataparallel.records import has_to
-from dataparallel.tree import (
+from dataparallel._movable import has_to
+from dataparallel._packed import is_packed, sequence_count
+from dataparallel._tree import (
     LIST,
     MAPPING,
     MAX_DEPTH,
@@ -47,6 +33,21 @@ from dataparallel.tree import (
     describe,
     path_key,
     struct_items,
+)
+from dataparallel.devices import DeviceSpec, resolve_devices
+from dataparallel.markers import Shared, Split
+from dataparallel.plan._chunks import as_int, cut_batch
+from dataparallel.plan._explain import voters_phrase, warning_text
+from dataparallel.plan._program import (
+    BroadcastNode,
+    Entry,
+    Node,
+    PackedNode,
+    PerSampleNode,
+    Plan,
+    SplitNode,
+    StructNode,
+    Vote,
 )
 
 __all__ = ["Entry", "Plan", "Vote", "plan"]
@@ -574,7 +575,7 @@ def plan(
             visible CUDA device, else the CPU.
         dim: the batch dimension of tensors and ndarrays.
         **opts: ``batch_size``, ``chunk_sizes``, ``weights``, ``max_size``, ``dtype``,
-            ``strict`` (see DESIGN.md, "The batch rules").
+            ``strict`` (see the README, "The batch rules, in short").
 
     Returns:
         A ``Plan``; ``str(plan)`` is a readable table of the votes and of each leaf's rule.

@@ -1,4 +1,4 @@
-"""The seed scenarios of DESIGN.md (S1-S6) as data: what ``dataparallel explain`` shows.
+"""The seed scenarios S1-S6 as data: what ``dataparallel explain`` shows.
 
 Each scenario is the call a user of ``torch.nn.DataParallel`` got wrong, with the devices and
 options it runs on here. Tensors are made small where their size does not matter, so the

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from dataparallel.tree import MAX_DEPTH, describe, rebuild_mapping
+from dataparallel._tree import MAX_DEPTH, describe, rebuild_mapping
 
 __all__ = [
     "check_batch_size_used",

@@ -5,7 +5,7 @@ Kept apart from ``plan.py``, which decides; this module only words the decision.
 
 from __future__ import annotations
 
-from dataparallel.plan_model import Vote
+from dataparallel.plan._program import Vote
 
 __all__ = ["voters_phrase", "warning_text"]
 

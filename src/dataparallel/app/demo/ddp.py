@@ -1,11 +1,11 @@
 """The ``ddp`` strategy of ``dataparallel train``: one process per device.
 
-Started by :func:`dataparallel.launch.launch` or torchrun, each process trains its share:
+Started by :func:`dataparallel.app.launch.launch` or torchrun, each process trains its share:
 ``ddp_session`` wraps the model in ``DistributedDataParallel``, ``ShardedSampler`` partitions
 the training and test sets exactly, ``Join`` covers ranks with fewer steps (only when some
 rank has fewer: otherwise it would cost an all-reduce per step), one all-reduce per epoch
 sums the loss and every rank's per-class test counts (exact), and rank 0 reports. It lives
-apart from the dp loop in :mod:`dataparallel.demo.train` because its batching (a global batch
+apart from the dp loop in :mod:`dataparallel.app.demo.train` because its batching (a global batch
 cut over ranks) and its evaluation (gathered over ranks) differ from dp's.
 """
 
@@ -18,16 +18,16 @@ from typing import TextIO
 import torch
 from torch import nn
 
-from dataparallel.demo.checkpoint import (
+from dataparallel.app.demo.checkpoint import (
     checkpoint_message,
     checkpoint_state,
     resume,
     run_config,
     save_checkpoint,
 )
-from dataparallel.demo.data import DemoData
-from dataparallel.demo.models import build_model
-from dataparallel.demo.options import (
+from dataparallel.app.demo.data import DemoData
+from dataparallel.app.demo.models import build_model
+from dataparallel.app.demo.options import (
     EpochStats,
     TrainOptions,
     TrainResult,
@@ -36,7 +36,7 @@ from dataparallel.demo.options import (
     load_data,
     resolve_hyper,
 )
-from dataparallel.demo.report import print_epoch, progress_bar, progress_shown
+from dataparallel.app.demo.report import print_epoch, progress_bar, progress_shown
 
 __all__ = ["ddp_train"]
 

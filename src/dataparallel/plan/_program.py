@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from dataparallel._movable import contains_record
+from dataparallel._tree import container_kind, contains_array, describe, struct_items
 from dataparallel.markers import Shared, Split
-from dataparallel.records import contains_record
-from dataparallel.tree import container_kind, contains_array, describe, struct_items
 
 # Exact types that hold no tensor or ndarray: per-item checks skip them (a fast path only;
 # subclasses take the full walk).
@@ -27,6 +27,7 @@ __all__ = [
     "BroadcastNode",
     "Entry",
     "Node",
+    "PackedNode",
     "PerSampleNode",
     "Plan",
     "SplitNode",
@@ -114,6 +115,19 @@ class StructNode(Node):
 
     def __init__(self, kind: str, template: Any, keys: list[Any], children: list[Node]) -> None:
         self.kind, self.template, self.keys, self.children = kind, template, keys, children
+
+
+class PackedNode(Node):
+    """A compiled plan step: a ``PackedSequence`` split by sequence.
+
+    Holds the input unpacked (batch first, sequences in their original order) and the lengths
+    on the CPU, so each chunk is a slice and one ``pack_padded_sequence``.
+    """
+
+    __slots__ = ("lengths", "padded")
+
+    def __init__(self, packed: PackedSequence) -> None:
+        self.padded, self.lengths = pad_packed_sequence(packed, batch_first=True)
 
 
 # ----------------------------------------------------------------------------------------------

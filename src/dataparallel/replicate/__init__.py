@@ -2,9 +2,9 @@
 
 ``torch.nn.parallel.replicate`` rebuilds every replica on every forward: one Python object per
 submodule per device, a ``__dict__`` copy each, and a broadcast of every parameter even when
-nothing changed. Here the replica objects (:class:`dataparallel.replicas.Replicas`) are built
+nothing changed. Here the replica objects (``_replicas.Replicas``) are built
 once per (module, devices) and kept. Each call then costs what can have changed, and the check
-looks only at the module's own tree (:class:`dataparallel.fingerprint.Snapshot`):
+looks only at the module's own tree (``_check.Snapshot``):
 
 - nothing written since the last call: only the tensors are synced, parameter copies on other
   devices and private buffer copies;
@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from dataparallel._checks import replicate_scripted
 from dataparallel.devices import DeviceSpec, resolve_devices
-from dataparallel.fingerprint import Scripted, fingerprint, self_referencing
-from dataparallel.guards import replicate_scripted
-from dataparallel.replicas import Replicas
+from dataparallel.replicate._check import Scripted, fingerprint, self_referencing
+from dataparallel.replicate._replicas import Replicas
 
 __all__ = ["ReplicaSets", "clear_replica_cache", "fresh_replicate", "replicate"]
 

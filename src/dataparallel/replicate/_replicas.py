@@ -2,7 +2,7 @@
 
 :class:`Replicas` has four jobs, each in its own part below: build the replica objects for a
 structure (one per submodule per device, tied parameters once); tell on each call what changed
-(:class:`dataparallel.fingerprint.Snapshot`, local to this tree and complete); sync the tensors
+(:class:`dataparallel.replicate._check.Snapshot`, local to this tree and complete); sync the tensors
 each call (parameters shared or copied, private buffer copies); and refill the dictionaries of
 the replicas whose source module was written (attributes, training flags, hooks).
 
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.compiled import check_not_compiled, compiled_class
-from dataparallel.fingerprint import Snapshot, fingerprint, signature
-from dataparallel.warn import warn_user
+from dataparallel._warn import warn_user
+from dataparallel.replicate._check import Snapshot, fingerprint, signature
+from dataparallel.replicate._compiled import check_not_compiled, compiled_class
 
 __all__ = ["Replicas"]
 

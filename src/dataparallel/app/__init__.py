@@ -1,0 +1,9 @@
+"""The application built on the library: the ``dataparallel`` command (``cli``), its process
+launcher (``launch``), the ``explain`` scenarios and the training demo (``demo/``).
+
+Nothing in the library core imports from here.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
