@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,11 @@ from torch import nn
 from benchmarks.e2e import case_e2e
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
 from dataparallel.app.demo.models import Net
+from dataparallel.devices import resolve_devices
 from dataparallel.gather import gather
 from dataparallel.markers import Shared
-from dataparallel.plan import plan
+from dataparallel.plan import build_plan, plan
+from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter
 from dataparallel.wrapper import DataParallel
@@ -41,6 +44,7 @@ __all__ = [
     "QUICK",
     "case_ddp",
     "case_mmcv_scatter",
+    "case_plan_cache",
     "case_plan_scaling",
     "case_replicate",
     "case_scatter_gather",
@@ -271,6 +275,40 @@ def case_plan_scaling(settings: Settings) -> list[Case]:
         extra={"seconds_per_leaf": per_leaf, "loglog_slope_100_to_10000": slope},
     )
     return [case]
+
+
+def case_plan_cache(settings: Settings) -> list[Case]:
+    """(b2) A wrapper's plan, from its cache: a dict of 100 tensors and two plain tensors on 2
+    CPU devices, against building the plan afresh (what every call of containers cost before
+    containers were cached)."""
+    devices = resolve_devices(CPU2)
+    options = DataParallel(nn.Identity(), CPU2).options
+    batch = {f"x{i}": torch.zeros(8, 4) for i in range(100)}
+    x = torch.zeros(8, 4)
+    calls = {"dict of 100": ((batch,), {}), "2 tensors": ((x, x), {})}
+    fns: dict[str, Callable[[], object]] = {}
+    for label, (args, kwargs) in calls.items():
+        cache = PlanCache()
+        cache.get(args, kwargs, devices, 0, options)  # kept: every timed call is a hit
+        fns[f"cached, {label}"] = partial(cache.get, args, kwargs, devices, 0, options)
+        fns[f"fresh, {label}"] = partial(build_plan, args, kwargs, devices, 0, **options)
+    stats = compare(fns, settings)
+    return [
+        _pair(
+            f"plan_cached_{tag}",
+            f"the plan of a call of {label} on 2 CPU devices, from the wrapper's cache / built",
+            stats,
+            f"cached, {label}",
+            f"fresh, {label}",
+            target=target,
+            what="cached plan time / fresh plan time",
+            extra={"cached_us": stats[f"cached, {label}"].median * 1e6, "target_us": limit},
+        )
+        for tag, label, target, limit in (
+            ("dict100", "dict of 100", 0.1, 30.0),
+            ("tensors", "2 tensors", None, None),
+        )
+    ]
 
 
 # -- c. DataParallel on one CPU replica, training step --------------------------------------
@@ -563,6 +601,7 @@ def case_train_ddp(settings: Settings) -> list[Case]:
 QUICK: tuple[CaseFn, ...] = (
     case_scatter_gather,
     case_plan_scaling,
+    case_plan_cache,
     case_train_step,
     case_replicate,
 )

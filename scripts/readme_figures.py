@@ -83,6 +83,14 @@ CASE_TEXT = {
         "`plan` of 10,000 leaves against 1,000 (linear means about 10)",
         "1,000 leaves",
     ),
+    "plan_cached_dict100": (
+        "a wrapper's plan of a call of a dict of 100 tensors, 2 CPU devices, from its cache",
+        "the plan built afresh",
+    ),
+    "plan_cached_tensors": (
+        "the same for a call of 2 plain tensors",
+        "the plan built afresh",
+    ),
     "dp_one_replica_train_step": (
         '`DataParallel(net, ["cpu"])` training step of the tutorial CNN, batch 32',
         "the plain module",

@@ -22,6 +22,8 @@ from benchmarks.harness import SCHEMA, Case, Settings, Stats, compare, paired_ra
 QUICK_NAMES = {
     "scatter_gather_hetero",
     "plan_scaling",
+    "plan_cached_dict100",
+    "plan_cached_tensors",
     "dp_one_replica_train_step",
     "replicate_2x_inference",
     "replicate_2x_training",
@@ -139,6 +141,7 @@ def test_quick_set_is_the_documented_one() -> None:
     assert [f.__name__ for f in QUICK] == [
         "case_scatter_gather",
         "case_plan_scaling",
+        "case_plan_cache",
         "case_train_step",
         "case_replicate",
     ]

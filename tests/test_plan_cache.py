@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 
 import dataparallel as dp
 from dataparallel.plan import build_plan
-from dataparallel.plan._cache import PlanCache, signature
+from dataparallel.plan._cache import PlanCache, call_key
 from dataparallel.scatter import take
 
 CPU2 = ["cpu", "cpu"]
@@ -42,7 +43,7 @@ def test_a_second_call_uses_the_new_inputs_values() -> None:
     for _ in range(3):
         x = torch.randn(6, 4)
         torch.testing.assert_close(model(x), module(x), atol=1e-5, rtol=0)
-    assert model.__dict__["_plans"].entry is not None  # the calls above were cacheable
+    assert len(model.__dict__["_plans"].plans) == 1  # one signature, one kept plan
 
 
 def test_a_new_batch_size_gets_a_new_plan() -> None:
@@ -67,7 +68,7 @@ def test_a_broadcast_input_stays_broadcast_and_warns_once_per_wrapper() -> None:
     assert sum("broadcast" in str(w.message) for w in caught) == 1
 
 
-def test_keyword_names_and_dtypes_are_part_of_the_signature() -> None:
+def test_keyword_names_are_part_of_the_key_and_a_new_dtype_is_still_right() -> None:
     torch.manual_seed(0)
     module = Pair()
     model = dp.DataParallel(module, CPU2)
@@ -79,8 +80,10 @@ def test_keyword_names_and_dtypes_are_part_of_the_signature() -> None:
     double = dp.DataParallel(module.double(), CPU2)
     out = double(x.double())
     assert out.dtype == torch.float64
-    assert signature((x,), {}) != signature((x.double(),), {})
-    assert signature((x,), {"y": x}) != signature((x, x), {})
+    assert call_key((x,), {"y": x}, 0, False) != call_key((x, x), {}, 0, False)
+    assert call_key((x,), {}, 0, False) != call_key((x[:3],), {}, 0, False)
+    # a tensor's device is part of a one-device key (its plan may move nothing)
+    assert call_key((x,), {}, 0, True) != call_key((x.to("meta"),), {}, 0, True)
 
 
 def test_the_dtype_option_still_casts_on_a_reused_plan() -> None:
@@ -154,12 +157,115 @@ def test_a_reused_plan_equals_a_fresh_one() -> None:
         assert rk.keys() == fk.keys() and all(torch.equal(rk[k], fk[k]) for k in rk)
 
 
+def _calls_of_one_signature(seed: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Two calls whose arguments differ in values only: containers, lists, markers, arrays."""
+    calls = []
+    for k in range(2):
+        g = torch.Generator().manual_seed(seed * 10 + k)
+        x = torch.randn(6, 4, generator=g)
+        batch = {
+            "x": x,
+            "mask": torch.ones(6, 3),
+            "names": [f"s{i}{k}" for i in range(6)],
+            "boxes": [torch.randn(i + 1, 4, generator=g) for i in range(6)],
+            "pair": (torch.randn(6, 2, generator=g), None),
+            "table": torch.randn(20, 4, generator=g),  # not batched: broadcast, warned
+        }
+        extra = [torch.randn(6, 1, generator=g), torch.randn(6, 1, generator=g)]
+        kwargs = {
+            "arr": np.full((6, 2), k),
+            "shared": dp.Shared([torch.randn(3, generator=g)]),
+            "split": dp.Split([f"t{k}{i}" for i in range(6)]),
+            "flag": bool(k),
+        }
+        calls.append(((batch, extra, 3), kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("options", [{}, {"max_size": 2}, {"dtype": torch.float64}])
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu", "cpu:1", "cpu"]])
+def test_a_reused_plan_of_containers_equals_a_fresh_one(
+    options: dict[str, Any], devices: list[str]
+) -> None:
+    cache = PlanCache()
+    resolved = dp.resolve_devices(devices)
+    first, second = _calls_of_one_signature(0)
+    assert call_key(*first, 0, False) == call_key(*second, 0, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache.get(*first, resolved, 0, options)
+        reused = cache.get(*second, resolved, 0, options)
+        fresh = build_plan(*second, resolved, 0, **options)
+    assert len(cache.plans) == 1 and reused.entry_records is None  # served by the cache
+    assert (reused.slices, reused.waves, reused.warnings, reused.votes) == (
+        fresh.slices,
+        fresh.waves,
+        fresh.warnings,
+        fresh.votes,
+    )
+    assert str(reused) == str(fresh)  # the rows of a reused plan are this call's
+    for wave in fresh.slices:
+        for device, start, length in wave:
+            got, want = take(reused, start, length, device), take(fresh, start, length, device)
+            _assert_same_tree(got, want)
+
+
+def _assert_same_tree(got: Any, want: Any) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
+    elif isinstance(want, np.ndarray):
+        assert np.array_equal(got, want)
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for key in want:
+            _assert_same_tree(got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            _assert_same_tree(a, b)
+    else:
+        assert got == want
+
+
 @pytest.mark.parametrize(
-    "inputs",
-    [([torch.zeros(2, 1)],), (dp.Shared(torch.zeros(2)),), (np.zeros((2, 1)),), (3,)],
+    ("a", "b"),
+    [
+        ({"x": torch.zeros(4, 2)}, {"y": torch.zeros(4, 2)}),  # another key
+        ([torch.zeros(4, 2)] * 3, [torch.zeros(4, 2)] * 4),  # another length
+        ([torch.zeros(4, 2)] * 3, [torch.zeros(3, 2)] * 3),  # a tensor list's common size
+        (["a"] * 4, [1] * 4),  # another item type
+        ([{"t": torch.zeros(1)}] * 3, [{"t": 1}] * 3),  # tensors inside items, or not
+        (dp.Split(torch.zeros(4, 2)), dp.Split(torch.zeros(4, 2), dim=1)),  # the marker's dim
+        (np.zeros((4, 2)), torch.zeros(4, 2)),  # an ndarray is not a tensor
+        ((torch.zeros(4),), [torch.zeros(4)]),  # a tuple is not a list
+    ],
 )
-def test_only_plain_tensor_calls_are_cached(inputs: tuple) -> None:
-    assert signature(inputs, {}) is None
+def test_what_the_rules_read_is_part_of_the_key(a: Any, b: Any) -> None:
+    assert call_key((a,), {}, 0, False) is not None
+    assert call_key((a,), {}, 0, False) != call_key((b,), {}, 0, False)
+
+
+def test_a_call_that_cannot_be_keyed_is_planned_afresh() -> None:
+    loop: list[Any] = [torch.zeros(2)]
+    loop.append(loop)  # a cycle: the rules name it
+    assert call_key((loop,), {}, 0, False) is None
+    model = dp.DataParallel(Pair(), CPU2)
+    with pytest.raises(ValueError, match="contains itself"):
+        model(torch.randn(4, 4), y=loop)
+    assert model.__dict__["_plans"].plans == []
+
+
+def test_the_cache_keeps_no_container_batch_alive() -> None:
+    cache = PlanCache()
+    x = torch.randn(6, 4)
+    boxes = [torch.randn(i + 1, 4) for i in range(6)]  # a per-sample list
+    for _ in range(2):
+        plan = cache.get(({"x": x, "boxes": boxes},), {}, dp.resolve_devices(CPU2), 0, {})
+    refs = [weakref.ref(x), weakref.ref(boxes[0])]
+    del x, boxes, plan
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 class Stateful(nn.Module):
@@ -207,37 +313,18 @@ def test_module_changes_between_calls_of_one_signature_are_seen() -> None:
     assert (out == 0).any()  # dropout zeroed something: the replicas are in training mode
 
 
-@pytest.mark.parametrize("dtype", [None, torch.float64])
-def test_flat_chunks_of_a_bare_plan_equal_take(dtype: torch.dtype | None) -> None:
-    from dataparallel.plan._cache import take_flat
-
-    cache = PlanCache()
-    devices = [torch.device("cpu"), torch.device("cpu", 1), torch.device("cpu")]
-    options = {"max_size": 2, "dtype": dtype}
-    call = ((torch.randn(10, 2), torch.zeros(3)), {"k": torch.ones(10, dtype=torch.int64)})
-    cache.get(*call, devices, 0, options)
-    x, table, k = torch.randn(10, 2), torch.randn(3), torch.arange(10)
-    bare = cache.get((x, table), {"k": k}, devices, 0, options, bare=True)
-    fresh = build_plan((x, table), {"k": k}, devices, 0, **options)
-    assert bare.slices == fresh.slices and len(bare.slices) > 1
-    for wave in fresh.slices:
-        flat_args, flat_kws = take_flat(bare, wave, (x, table), {"k": k})
-        for (d, s, n), fa, fk in zip(wave, flat_args, flat_kws, strict=True):
-            ta, tk = take(fresh, s, n, d)
-            assert type(fa) is tuple and len(fa) == len(ta) == 2
-            for p, q in [*zip(fa, ta, strict=True), (fk["k"], tk["k"])]:
-                assert p.dtype == q.dtype and p.device == q.device and torch.equal(p, q)
-            if d == torch.device("cpu") and dtype is None:  # a broadcast in place: not copied
-                assert fa[1] is table
-
-
-def test_a_bare_one_chunk_plan_in_place_moves_nothing() -> None:
+def test_a_one_chunk_plan_in_place_is_the_identity_program() -> None:
     cache = PlanCache()
     one = [torch.device("cpu")]
-    cache.get((torch.randn(4, 2),), {}, one, 0, {})
-    assert "moves_nothing" in cache.get((torch.randn(4, 2),), {}, one, 0, {}, bare=True).__dict__
+    x = torch.randn(4, 2)
+    for _ in range(2):
+        plan = cache.get((x,), {"m": x}, one, 0, {})
+        assert plan.program is not None and plan.program.identity
+        args, kwargs = take(plan, 0, 4, one[0])
+        assert args[0] is x and kwargs["m"] is x
     cast = {"dtype": torch.float64}
-    cache.get((torch.randn(4, 2),), {}, one, 0, cast)
-    assert (
-        "moves_nothing" not in cache.get((torch.randn(4, 2),), {}, one, 0, cast, bare=True).__dict__
-    )
+    assert not cache.get((x,), {}, one, 0, cast).program.identity  # a cast is a move
+    two = cache.get((x,), {}, [torch.device("cpu")] * 2, 0, {})
+    assert not two.program.identity  # two chunks
+    boxed = cache.get(({"x": x},), {}, one, 0, {})
+    assert not boxed.program.identity  # a container is rebuilt

@@ -12,22 +12,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_packed_sequence
 
-from dataparallel._movable import move_item
+from dataparallel._movable import contains_record, move_item
 from dataparallel._packed import take_packed
-from dataparallel._tree import LIST, TooDeep, map_tensors, rebuild
+from dataparallel._tree import LIST, TooDeep, contains_array, map_tensors, rebuild, struct_items
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
 from dataparallel.plan import build_plan, check_options
 from dataparallel.plan._program import (
-    BroadcastNode,
-    Node,
-    PackedNode,
-    PerSampleNode,
+    BroadcastCut,
+    Cut,
+    PerSampleCut,
     Plan,
-    SplitNode,
-    StructNode,
+    Rebuild,
+    SplitCut,
+    Step,
 )
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
@@ -55,77 +56,104 @@ def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     return move
 
 
-def _run(node: Node, start: int, length: int, move: Any, move_plain: Any) -> Any:
-    """The result of one compiled node for the slice ``[start, start + length)``."""
-    if isinstance(node, SplitNode):
-        obj = node.obj
+def _run(step: Step, obj: Any, start: int, length: int, move: Any, move_plain: Any) -> Any:
+    """What one program step gives for ``obj``, the argument at its position, for the slice
+    ``[start, start + length)``."""
+    if isinstance(step, Rebuild):
+        keys, values = struct_items(obj, step.kind)
+        results = [
+            _run(c, v, start, length, move, move_plain)
+            for c, v in zip(step.children, values, strict=True)
+        ]
+        return rebuild(step.kind, obj, keys, results)
+    if not isinstance(step, Cut):  # pragma: no cover - internal invariant
+        raise TypeError(f"unknown program step {step!r}")
+    if step.unwrap:  # a dp.Split or dp.Shared: its inside
+        obj = obj.obj
+    fn = move if step.cast else move_plain
+    if isinstance(step, SplitCut):
+        dim = step.dim
         if isinstance(obj, torch.Tensor):
-            if start or length != obj.shape[node.dim]:  # the whole batch needs no narrow
+            if start or length != obj.shape[dim]:  # the whole batch needs no narrow
                 if obj.is_sparse:  # COO has no views: a copy of the slice (differentiable)
-                    obj = obj.narrow_copy(node.dim, start, length)
+                    obj = obj.narrow_copy(dim, start, length)
                 else:
-                    obj = obj.narrow(node.dim, start, length)
-            return (move if node.cast else move_plain)(obj)
+                    obj = obj.narrow(dim, start, length)
+            return fn(obj)
         index = [slice(None)] * obj.ndim
-        index[node.dim] = slice(start, start + length)
+        index[dim] = slice(start, start + length)
         return obj[tuple(index)]
-    if isinstance(node, StructNode):
-        values = [_run(c, start, length, move, move_plain) for c in node.children]
-        return rebuild(node.kind, node.template, node.keys, values)
-    if isinstance(node, PerSampleNode):
-        items = node.obj[start : start + length]
-        if node.holds_arrays:
-            fn = move if node.cast else move_plain
+    if isinstance(step, BroadcastCut):
+        try:
+            moves = step.moves
+            if moves is None:  # the value's types did not say: look
+                moves = contains_array(obj)
+            return map_tensors(obj, fn, move_plain) if moves else obj
+        except TooDeep:  # a cycle inside a broadcast value: the plan did not walk it
+            raise TooDeep(step.path) from None
+    if isinstance(step, PerSampleCut):
+        return _per_sample(step, obj, start, length, fn, move_plain)
+    padded, lengths = pad_packed_sequence(obj, batch_first=True)  # a PackedCut
+    return take_packed(padded, lengths, start, length, move)
+
+
+def _per_sample(
+    step: PerSampleCut, obj: Any, start: int, length: int, fn: Any, move_plain: Any
+) -> Any:
+    """A sequence's items ``[start, start + length)``, with the tensors among them moved."""
+    items = obj[start : start + length]
+    holds = step.holds_arrays
+    try:
+        if holds is None:  # the item types did not say: look at this chunk's items
+            holds = any(contains_array(item) or contains_record(item) for item in items)
+        if holds:
             tensor = torch.Tensor
             here = fn.device
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
             target = fn.target
-            try:
-                if here is not None:
-                    items = [
-                        x
-                        if type(x) is tensor and x.device == here
-                        else move_item(x, fn, move_plain, target)
-                        for x in items
-                    ]
-                else:
-                    items = [
-                        fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
-                        for x in items
-                    ]
-            except TooDeep:  # a cycle inside an item: the plan did not walk it
-                raise TooDeep(node.path) from None
+            if here is not None:
+                items = [
+                    x
+                    if type(x) is tensor and x.device == here
+                    else move_item(x, fn, move_plain, target)
+                    for x in items
+                ]
+            else:
+                items = [
+                    fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
+                    for x in items
+                ]
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
-        if isinstance(node.obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
-            return tuple(items)
-        return rebuild(LIST, node.obj, [], items)
-    if isinstance(node, PackedNode):
-        return take_packed(node.padded, node.lengths, start, length, move)
-    if isinstance(node, BroadcastNode):
-        if not node.moves:
-            return node.obj
-        try:
-            return map_tensors(node.obj, move if node.cast else move_plain, move_plain)
-        except TooDeep:  # a cycle inside a broadcast value: the plan did not walk it
-            raise TooDeep(node.path) from None
-    raise TypeError(f"unknown plan node {node!r}")  # pragma: no cover - internal invariant
+    except TooDeep:  # a cycle inside an item: the plan did not walk it
+        raise TooDeep(step.path) from None
+    if isinstance(obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
+        return tuple(items)
+    return rebuild(LIST, obj, [], items)
 
 
 def take(plan: Plan, start: int, length: int, device: torch.device) -> tuple[Any, dict[str, Any]]:
     """The arguments of the slice ``[start, start + length)`` of a planned call on ``device``.
 
     Returns ``(args, kwargs)``: ``args`` is a tuple when the planned inputs were a tuple, else
-    the chunk of the one argument. ``length`` may be 0 (empty tensors and lists).
+    the chunk of the one argument. ``length`` may be 0 (empty tensors and lists). A program
+    marked ``identity`` gives back the call's own arguments.
     """
+    program = plan.program
+    if program is None or plan.kwargs is None:
+        raise ValueError("plan: expected a plan made by dataparallel.plan, got an empty one")
+    if program.identity:
+        return plan.inputs, plan.kwargs  # type: ignore[return-value]
     move = _mover(device, plan.dtype)
     move_plain = move if plan.dtype is None else _mover(device, None)
-    if plan.root_args is None or plan.root_kwargs is None:
-        raise ValueError("plan: expected a plan made by dataparallel.plan, got an empty one")
-    args = _run(plan.root_args, start, length, move, move_plain)
-    kwargs = _run(plan.root_kwargs, start, length, move, move_plain)
-    return args, kwargs
+    args = _run(program.args, plan.inputs, start, length, move, move_plain)
+    kwargs = plan.kwargs
+    kw = {
+        key: _run(step, kwargs[key], start, length, move, move_plain)
+        for key, step in zip(program.kw_keys, program.kw_steps, strict=True)
+    }
+    return args, kw
 
 
 def emit_warnings(plan: Plan) -> None:

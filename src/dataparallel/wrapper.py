@@ -32,7 +32,7 @@ from dataparallel.gather import (
 )
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
-from dataparallel.plan._cache import PlanCache, take_flat, take_whole
+from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import ReplicaSets, replicate
 from dataparallel.replicate._compiled import check_not_compiled
 from dataparallel.scatter import take
@@ -173,9 +173,9 @@ class DataParallel(nn.DataParallel):
     def __getstate__(self) -> dict[str, Any]:
         # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
         # starts with no last call, a lock of its own, no replicas and no device sentinels
-        # (made again at its first call).
+        # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in ("_calls", "_lock", "_replica_sets", "_sentinels"):
+        for name in ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans"):
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -249,7 +249,7 @@ class DataParallel(nn.DataParallel):
         plans: PlanCache | None = self.__dict__.get("_plans")
         if plans is None:  # made lazily: a wrapper unpickled from an older version has none
             plans = self.__dict__["_plans"] = PlanCache()
-        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options, bare=True)
+        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options)
         if plan.warnings:
             self._warn_once(plan)
         return plan
@@ -262,22 +262,10 @@ class DataParallel(nn.DataParallel):
         kwargs: dict[str, Any],
         steps: _Overrides,
     ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
-        """One wave's chunks, their devices and sizes. A chunk that is the whole batch on the
-        device where its tensors are (and no ``dtype`` cast) is the arguments themselves."""
+        """One wave's chunks, their devices and sizes: the plan's program run for each
+        ``(device, start, length)`` of the wave, or the ``scatter`` override's chunks."""
         devices = [device for device, _, _ in wave]
         if not steps.scatter:
-            bare = plan.__dict__
-            if "moves_nothing" in bare:  # a reused plan of one whole chunk, in place
-                return [inputs], [kwargs], devices, [plan.batch_size]
-            if "whole" in bare:  # one device, a call of containers: nothing to split
-                whole = take_whole(inputs, kwargs, devices[0])
-                if whole is None:  # too deep to walk: the full plan decides (or names it)
-                    full = build_plan(inputs, kwargs, devices, self.dim, **self.options)
-                    return self._scatter_wave(full, full.slices[0], inputs, kwargs, steps)
-                return [whole[0]], [whole[1]], devices, [plan.batch_size]
-            if "flat" in bare:  # a reused plan of plain tensors: no tree to walk
-                flat_args, flat_kws = take_flat(plan, wave, inputs, kwargs)
-                return flat_args, flat_kws, devices, [n for *_, n in wave]
             chunks = [take(plan, start, length, device) for device, start, length in wave]
             return [a for a, _ in chunks], [k for _, k in chunks], devices, [n for *_, n in wave]
         if len(plan.slices) > 1:

@@ -9,6 +9,6 @@ sizes and waves), ``_program`` (what a plan holds), ``_explain`` (its readable t
 from __future__ import annotations
 
 from dataparallel.plan._program import Entry, Plan, Vote
-from dataparallel.plan._rules import build_plan, check_options, plan, vote_batch_size
+from dataparallel.plan._rules import build_plan, check_options, plan
 
-__all__ = ["Entry", "Plan", "Vote", "build_plan", "check_options", "plan", "vote_batch_size"]
+__all__ = ["Entry", "Plan", "Vote", "build_plan", "check_options", "plan"]

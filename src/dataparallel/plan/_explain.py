@@ -1,13 +1,194 @@
-"""The text of the plan's broadcast warning (batch rule 6): what was found, then the fixes.
+"""The plan in words: the table ``explain`` prints, each leaf's row, and the broadcast warning
+(batch rule 6): what was found, then the fixes.
 
-Kept apart from ``plan.py``, which decides; this module only words the decision.
+Kept apart from ``_rules``, which decides, and ``_program``, which holds the decision: this
+module only words it.
 """
 
 from __future__ import annotations
 
-from dataparallel.plan._program import Vote
+import textwrap
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["voters_phrase", "warning_text"]
+import numpy as np
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from dataparallel._tree import container_kind, describe, struct_items
+from dataparallel.markers import Shared, Split
+
+if TYPE_CHECKING:
+    from dataparallel.plan._program import Plan, Vote
+
+__all__ = ["describe_leaf", "format_plan", "row_text", "voters_phrase", "warning_text"]
+
+# Exact types that hold no tensor or ndarray.
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+
+
+def row_text(
+    p: Plan, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
+) -> tuple[str, str, str]:
+    """``(what, to, receives)`` of one leaf's row: what it is, where its tensors go and what
+    each device gets."""
+    return (describe_leaf(value), *_receives(p, rule, value, chunks))
+
+
+def describe_leaf(obj: Any) -> str:
+    """``describe(obj)``, with the item types of a long list or tuple found at C speed."""
+    if type(obj) in (list, tuple) and len(obj) > 8:
+        names = {
+            "Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))
+        }
+        return f"{type(obj).__name__}[{len(obj)}] of {'/'.join(sorted(names))}"
+    return describe(obj)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _joined(parts: list[str]) -> str:
+    """``"5"`` when every chunk has the same value, else one per chunk: ``"2/6/4/4"``."""
+    return parts[0] if len(set(parts)) == 1 else "/".join(parts)
+
+
+def _tensors_in(obj: Any) -> tuple[bool, bool]:
+    """Whether ``obj`` holds a tensor, and a floating-point one, outside ``dp.Shared``."""
+    if isinstance(obj, torch.Tensor):
+        return True, obj.is_floating_point()
+    if isinstance(obj, Shared):
+        return _tensors_in(obj.obj)[0], False
+    if isinstance(obj, Split):
+        return _tensors_in(obj.obj)
+    if type(obj) in _ATOMS or isinstance(obj, (str, bytes, np.ndarray)):
+        return False, False
+    kind = container_kind(obj)
+    if kind is None:
+        return False, False
+    found = floating = False
+    for value in struct_items(obj, kind)[1]:
+        has, has_float = _tensors_in(value)
+        found, floating = found or has, floating or has_float
+        if floating:
+            break
+    return found, floating
+
+
+def _receives(
+    p: Plan, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
+) -> tuple[str, str]:
+    """``(to, receives)`` of one leaf: where its tensors go and what each device gets."""
+    if not chunks:
+        return "", ""
+    devices = _joined([str(device) for device, _, _ in chunks])
+    cast = p.dtype is not None and not isinstance(value, Shared)
+    inner = value.obj if isinstance(value, (Shared, Split)) else value
+    if rule == "split":
+        dim = p.dim
+        if isinstance(value, Split) and value.dim is not None:
+            dim = value.dim
+        if isinstance(inner, PackedSequence):  # split by sequence, re-packed on each device
+            dtype = inner.data.dtype
+            if cast and dtype.is_floating_point and p.dtype is not None:
+                dtype = p.dtype
+            counts = _joined([str(length) for _, _, length in chunks])
+            return devices, f"PackedSequence of {counts} sequences, {_dtype_name(dtype)}"
+        shape = [str(n) for n in inner.shape]
+        shape[dim] = _joined([str(length) for _, _, length in chunks])
+        if isinstance(inner, torch.Tensor):
+            dtype = inner.dtype
+            if cast and dtype.is_floating_point and p.dtype is not None:
+                dtype = p.dtype
+            return devices, f"Tensor[{', '.join(shape)}] {_dtype_name(dtype)}"
+        return "not moved (ndarray)", f"ndarray[{', '.join(shape)}] {inner.dtype}"
+    if rule == "per-sample":
+        ranges = _joined(
+            [
+                str(start) if length == 1 else f"{start}-{start + length - 1}"
+                for _, start, length in chunks
+            ]
+        )
+        lengths = _joined([str(length) for _, _, length in chunks])
+        kinds = describe_leaf(inner).partition(" of ")[2]
+        text = f"{type(inner).__name__}[{lengths}] of {kinds}: items {ranges}"
+        has, has_float = _tensors_in(inner)
+        if not has:
+            return "not moved (no tensor)", text
+        if cast and p.dtype is not None and has_float:
+            text += f", float tensors cast to {_dtype_name(p.dtype)}"
+        return devices, text
+    # broadcast: one whole copy per device
+    if isinstance(inner, torch.Tensor):
+        dtype = inner.dtype
+        if cast and dtype.is_floating_point and p.dtype is not None:
+            dtype = p.dtype
+        dims = ", ".join(str(n) for n in inner.shape)
+        text = f"the whole Tensor[{dims}] {_dtype_name(dtype)}"
+        if isinstance(value, Shared) and p.dtype is not None and dtype.is_floating_point:
+            text += " (dp.Shared: not cast)"
+        return devices, text
+    if isinstance(inner, np.ndarray):
+        return "not moved (ndarray)", "the same ndarray"
+    has, has_float = _tensors_in(inner)
+    if has:
+        text = f"the whole {describe_leaf(inner)}, tensors moved"
+        if cast and p.dtype is not None and has_float:
+            text += f", float ones cast to {_dtype_name(p.dtype)}"
+        return devices, text
+    return "not moved (no tensor)", "the same object"
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table of a plan: batch size and votes, devices and chunks, one row per leaf,
+    then what each device receives (after the cast, with the devices it moves to)."""
+    if not p.entries:
+        device = p.devices[0] if p.devices else "its device"
+        return (
+            f"nothing to split: the call passes no input (or only empty containers); the "
+            f"module runs once, on {device}, as it would without DataParallel"
+        )
+    lines = [f"batch size {p.batch_size}, decided by {p.decided_by}"]
+    if p.batch_size == 0:
+        device = p.devices[0] if p.devices else "the first device"
+        lines.append(
+            f"an empty batch: the module runs once, on {device} (replica 0, on the caller's "
+            f"thread), with the empty inputs, and its output is returned as it is, as without "
+            f"DataParallel"
+        )
+    if p.votes:
+        tally: dict[int, list[str]] = {}
+        for vote in p.votes:
+            tally.setdefault(vote.size, []).append(f"{vote.path} ({vote.source})")
+        for size, voters in tally.items():
+            lines.append(f"  {len(voters)} vote(s) for {size}: {', '.join(voters)}")
+    names = ", ".join(str(d) for d in p.devices)
+    lines.append(f"devices used ({len(p.devices)}): {names}")
+    if len(p.waves) == 1:
+        lines.append(f"chunk sizes: {p.waves[0]}")
+    else:
+        lines.append(f"waves ({len(p.waves)}): {p.waves}")
+    rows = [("path", "what", "rule", "why")] + [(e.path, e.what, e.rule, e.why) for e in p.entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        lines.append(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+    lines.append("each device receives (sizes and items one per chunk, in device order):")
+    received = [("path", "moved to", "receives")] + [(e.path, e.to, e.receives) for e in p.entries]
+    widths = [max(len(r[i]) for r in received) for i in range(2)]
+    for path, to, receives in received:
+        lines.append(f"  {path:<{widths[0]}}  {to:<{widths[1]}}  {receives}")
+    lines.extend(
+        textwrap.fill(
+            w,
+            width=100,
+            initial_indent="warning: ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for w in p.warnings
+    )
+    return "\n".join(lines)
 
 
 def _and(names: list[str]) -> str:

@@ -28,8 +28,10 @@ from dataparallel._tree import (
     LIST,
     MAPPING,
     MAX_DEPTH,
+    TUPLE,
     TooDeep,
     container_kind,
+    contains_array,
     describe,
     path_key,
     struct_items,
@@ -39,22 +41,35 @@ from dataparallel.markers import Shared, Split
 from dataparallel.plan._chunks import as_int, cut_batch
 from dataparallel.plan._explain import voters_phrase, warning_text
 from dataparallel.plan._program import (
-    BroadcastNode,
+    BroadcastCut,
     Entry,
-    Node,
-    PackedNode,
-    PerSampleNode,
+    PackedCut,
+    PerSampleCut,
     Plan,
-    SplitNode,
-    StructNode,
+    Program,
+    Rebuild,
+    SplitCut,
+    Step,
     Vote,
 )
 
-__all__ = ["Entry", "Plan", "Vote", "plan"]
+__all__ = [
+    "Entry",
+    "Plan",
+    "Vote",
+    "build_plan",
+    "check_options",
+    "holds_arrays",
+    "list_kind",
+    "plan",
+]
 
 SPLIT = "split"
 PER_SAMPLE = "per-sample"
 BROADCAST = "broadcast"
+
+# Exact types that hold no tensor or ndarray.
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 _OPTION_NAMES = ("batch_size", "chunk_sizes", "weights", "max_size", "dtype", "strict")
 
@@ -105,6 +120,33 @@ def _item_kind(x: Any) -> Any:
     return type(x)
 
 
+def list_kind(obj: list[Any], dim: int) -> str:
+    """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list (the README's words:
+    a tensor list, a sequence, or structure)."""
+    first = obj[0]
+    # The kind of an item depends only on its type: one type, one kind (the common case,
+    # checked at C speed); only a mix of types needs the item-by-item test.
+    types = set(map(type, obj))
+    if isinstance(first, torch.Tensor):
+        if len(types) > 1 and not all(isinstance(x, torch.Tensor) for x in obj):
+            return "structure"
+        # A tensor list needs one common size: stop at the first item that differs
+        # (boxes of varying counts differ within the first few).
+        common = _size_along(first, dim)
+        if common is None:
+            return "sequence"
+        for x in obj:
+            if _size_along(x, dim) != common:
+                return "sequence"
+        return "tensorlist"
+    if len(types) == 1:
+        return "sequence"
+    kind = _item_kind(first)
+    if all(_item_kind(x) == kind for x in obj):
+        return "sequence"
+    return "structure"
+
+
 class _Collector:
     """Pass 1: walks the arguments, classifies positions and records votes in order."""
 
@@ -141,7 +183,7 @@ class _Collector:
             self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
             return info
         if isinstance(obj, list) and obj:
-            kind = self._list_kind(obj)
+            kind = list_kind(obj, dim)
             if kind == "tensorlist":
                 info = _Info("tensorlist", obj, path)
                 info.common = _size_along(obj[0], dim)
@@ -173,32 +215,6 @@ class _Collector:
         ]
         ancestors.pop()
         return info
-
-    def _list_kind(self, obj: list[Any]) -> str:
-        """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list."""
-        first = obj[0]
-        # The kind of an item depends only on its type: one type, one kind (the common case,
-        # checked at C speed); only a mix of types needs the item-by-item test.
-        types = set(map(type, obj))
-        if isinstance(first, torch.Tensor):
-            if len(types) > 1 and not all(isinstance(x, torch.Tensor) for x in obj):
-                return "structure"
-            # A tensor list needs one common size: stop at the first item that differs
-            # (boxes of varying counts differ within the first few).
-            dim = self.dim
-            common = _size_along(first, dim)
-            if common is None:
-                return "sequence"
-            for x in obj:
-                if _size_along(x, dim) != common:
-                    return "sequence"
-            return "tensorlist"
-        if len(types) == 1:
-            return "sequence"
-        kind = _item_kind(first)
-        if all(_item_kind(x) == kind for x in obj):
-            return "sequence"
-        return "structure"
 
     def _visit_split(self, marker: Split[Any], path: str) -> _Info:
         inner = marker.obj
@@ -297,18 +313,15 @@ class _Compiler:
             )
         self.mismatched.append((path, found))
 
-    def compile(self, info: _Info) -> Node:
+    def compile(self, info: _Info) -> Step:
         try:
-            node = self._compile(info)
-            if isinstance(node, (BroadcastNode, PerSampleNode)):
-                node.path = info.path
-            return node
+            return self._compile(info)
         except TooDeep as exc:  # from a walk inside a leaf (a sequence, a broadcast object)
             if exc.path is None:
                 raise TooDeep(info.path) from None
             raise
 
-    def _compile(self, info: _Info) -> Node:
+    def _compile(self, info: _Info) -> Step:
         kind = info.kind
         if kind == "array":
             return self._array(info)
@@ -322,28 +335,27 @@ class _Compiler:
             return self._packed(info)
         if kind == "shared":
             self.entry(info, BROADCAST, "marked dp.Shared")
-            return BroadcastNode(info.obj.obj, cast=False)
+            return BroadcastCut(info.path, cast=False, moves=None, unwrap=True)
         if kind == "other":
             self.entry(info, BROADCAST, "not batched (no tensor, ndarray or sequence)")
-            return BroadcastNode(info.obj, cast=self.cast)
+            return BroadcastCut(info.path, cast=self.cast, moves=False)
         # containers (an empty list is structure too)
-        children = [self.compile(c) for c in info.children]
-        return StructNode(kind, info.obj, info.keys, children)
+        return Rebuild(info.path, kind, [self.compile(c) for c in info.children])
 
-    def _array(self, info: _Info) -> Node:
+    def _array(self, info: _Info) -> Step:
         b, size = self.batch, info.size
         if size is None:
             why = "0-dim" if info.obj.ndim == 0 else f"no dim {self.dim}"
             self.entry(info, BROADCAST, f"{why}: not batched")
-            return BroadcastNode(info.obj, cast=self.cast)
+            return BroadcastCut(info.path, cast=self.cast, moves=True)
         if size == b:
             self.entry(info, SPLIT, f"size {size} along dim {self.dim} is the batch size")
-            return SplitNode(info.obj, self.dim, self.cast)
+            return SplitCut(info.path, self.dim, self.cast)
         self.mismatch(info.path, f"size {size} along dim {self.dim}")
         self.entry(info, BROADCAST, f"size {size} along dim {self.dim} is not the batch size {b}")
-        return BroadcastNode(info.obj, cast=self.cast)
+        return BroadcastCut(info.path, cast=self.cast, moves=True)
 
-    def _tensorlist(self, info: _Info) -> Node:
+    def _tensorlist(self, info: _Info) -> Step:
         b, obj = self.batch, info.obj
         if info.common == b:
             if info.size in self.lost_ties:
@@ -354,45 +366,38 @@ class _Compiler:
                     f"{info.size} and first); if its items are samples, pass "
                     f"dp.Split({info.path})"
                 )
-            children: list[Node] = []
+            children: list[Step] = []
+            why = f"item of a tensor list whose common size {b} is the batch size"
             for i, t in enumerate(obj):
                 path = f"{info.path}[{i}]"
-                self.entries.append(
-                    (
-                        path,
-                        SPLIT,
-                        f"item of a tensor list whose common size {b} is the batch size",
-                        t,
-                    )
-                )
-                children.append(SplitNode(t, self.dim, self.cast))
-            return StructNode(LIST, obj, list(range(len(obj))), children)
+                self.entries.append((path, SPLIT, why, t))
+                children.append(SplitCut(path, self.dim, self.cast))
+            return Rebuild(info.path, LIST, children)
         if info.size == b:
             self.entry(info, PER_SAMPLE, f"a list of {b} tensors: its length is the batch size")
-            return PerSampleNode(obj, self.cast)
+            return PerSampleCut(info.path, self.cast, holds_arrays(obj))
         # neither reading fits: each tensor follows the rules alone
         children = []
         for i, t in enumerate(obj):
             child = _Info("array", t, f"{info.path}[{i}]")
             child.size = info.common
             children.append(self._array(child))
-        return StructNode(LIST, obj, list(range(len(obj))), children)
+        return Rebuild(info.path, LIST, children)
 
-    def _sequence(self, info: _Info) -> Node:
+    def _sequence(self, info: _Info) -> Step:
         b, n = self.batch, info.size
         if n == b:
             why = f"a sequence of {n} items: its length is the batch size"
             if has_to(info.obj[0]):
                 why += "; each item moved by its own .to(device)"
             self.entry(info, PER_SAMPLE, why)
-            return PerSampleNode(info.obj, self.cast)
-        node = BroadcastNode(info.obj, cast=self.cast)
-        if node.moves:
+            return PerSampleCut(info.path, self.cast, holds_arrays(info.obj))
+        if contains_array(info.obj):
             self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
         self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
-        return node
+        return BroadcastCut(info.path, cast=self.cast, moves=None)
 
-    def _packed(self, info: _Info) -> Node:
+    def _packed(self, info: _Info) -> Step:
         n = info.size
         if n == self.batch:
             self.entry(
@@ -400,12 +405,12 @@ class _Compiler:
                 SPLIT,
                 f"a PackedSequence of {n} sequences: split by sequence, re-packed on each device",
             )
-            return PackedNode(info.obj)
+            return PackedCut(info.path)
         self.mismatch(info.path, f"a PackedSequence of {n} sequences")
         self.entry(info, BROADCAST, f"{n} sequences, not the batch size {self.batch}")
-        return BroadcastNode(info.obj, cast=False)
+        return BroadcastCut(info.path, cast=False, moves=True)
 
-    def _split(self, info: _Info) -> Node:
+    def _split(self, info: _Info) -> Step:
         marker, b = info.obj, self.batch
         if info.size != b:
             raise ValueError(
@@ -416,23 +421,22 @@ class _Compiler:
         if _is_array(marker.obj):
             dim = self.dim if marker.dim is None else marker.dim
             self.entry(info, SPLIT, f"marked dp.Split (dim {dim})")
-            return SplitNode(marker.obj, dim, self.cast)
+            return SplitCut(info.path, dim, self.cast, unwrap=True)
         self.entry(info, PER_SAMPLE, "marked dp.Split: split by items")
-        return PerSampleNode(marker.obj, self.cast)
+        return PerSampleCut(info.path, self.cast, holds_arrays(marker.obj), unwrap=True)
 
 
-def vote_batch_size(inputs: tuple[Any, ...], kwargs: Mapping[str, Any], dim: int) -> int | None:
-    """The batch size the rules give a call, by the vote alone, or ``None`` when the vote is
-    not the whole story (a ``dp.Split`` decides, or an iterator is passed): the fast path of a
-    single-device call, which needs no plan, only ``B``."""
-    collector = _Collector(dim)
-    for i, arg in enumerate(inputs):
-        collector.visit(arg, f"args[{i}]")
-    for key, value in kwargs.items():
-        collector.visit(value, f"kwargs[{key!r}]")
-    if collector.first_split is not None or collector.iterators or collector.packed:
-        return None  # (a PackedSequence's lengths must stay on the CPU: the plan knows)
-    return _decide_batch_size(collector.votes, None, None)[0]
+def holds_arrays(items: Any) -> bool | None:
+    """What the item types of a per-sample sequence say about tensors inside its items:
+    ``False`` for names, ids and numbers, ``True`` for tensors and ndarrays, ``None`` (each
+    run looks) for anything else. Types only, so a reused plan's answer holds for any call
+    whose items have the same types."""
+    types = set(map(type, items))
+    if types <= _ATOMS:
+        return False
+    if all(issubclass(t, (torch.Tensor, np.ndarray)) for t in types):
+        return True
+    return None
 
 
 def check_options(opts: Mapping[str, Any]) -> None:
@@ -488,14 +492,10 @@ def build_plan(
 
     compiler = _Compiler(batch, dim, voters, strict, cast=dtype is not None, lost_ties=lost_ties)
     if is_tuple:
-        root_args: Node = StructNode(
-            "tuple", inputs, list(range(len(inputs))), [compiler.compile(i) for i in arg_infos]
-        )
+        root_args: Step = Rebuild("args", TUPLE, [compiler.compile(i) for i in arg_infos])
     else:
         root_args = compiler.compile(arg_info)
-    root_kwargs = StructNode(
-        "mapping", dict(kwargs), kw_keys, [compiler.compile(i) for i in kw_infos]
-    )
+    program = Program(root_args, is_tuple, kw_keys, [compiler.compile(i) for i in kw_infos])
 
     if batch_size is not None and batch > 1 and compiler.entries:
         check_batch_size_used(batch, compiler.entries)
@@ -550,9 +550,9 @@ def build_plan(
         dim=dim,
         warnings=warnings,
         dtype=dtype,
-        root_args=root_args,
-        root_kwargs=root_kwargs,
-        args_is_tuple=is_tuple,
+        program=program,
+        inputs=inputs,
+        kwargs=kwargs,
         slices=slices,
         warning_key=tuple(path for path, _ in compiler.mismatched)
         + tuple(note.split(":", 1)[0] for note in compiler.notes),
