@@ -285,7 +285,10 @@ def case_plan_cache(settings: Settings) -> list[Case]:
     options = DataParallel(nn.Identity(), CPU2).options
     batch = {f"x{i}": torch.zeros(8, 4) for i in range(100)}
     x = torch.zeros(8, 4)
-    calls = {"dict of 100": ((batch,), {}), "2 tensors": ((x, x), {})}
+    calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+        "dict of 100": ((batch,), {}),
+        "2 tensors": ((x, x), {}),
+    }
     fns: dict[str, Callable[[], object]] = {}
     for label, (args, kwargs) in calls.items():
         cache = PlanCache()
