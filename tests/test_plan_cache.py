@@ -7,6 +7,8 @@ plan says.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import warnings
 import weakref
@@ -15,12 +17,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import dataparallel as dp
 from dataparallel.plan import build_plan
 from dataparallel.plan._cache import PlanCache, call_key
 from dataparallel.scatter import take
+from test_roundtrip_properties import Case, assert_same, cases
 
 CPU2 = ["cpu", "cpu"]
 CPU3 = ["cpu", "cpu", "cpu"]
@@ -328,3 +332,47 @@ def test_a_one_chunk_plan_in_place_is_the_identity_program() -> None:
     assert not two.program.identity  # two chunks
     boxed = cache.get(({"x": x},), {}, one, 0, {})
     assert not boxed.program.identity  # a container is rebuilt
+
+
+def _bump(obj: Any) -> None:
+    """Change every floating-point tensor and ndarray in ``obj`` in place (a new call's values)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            obj.add_(1.0)
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "f":
+            obj += 1.0
+    elif isinstance(obj, dp.Shared):
+        _bump(obj.obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _bump(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _bump(value)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            _bump(getattr(obj, f.name))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_a_reused_plan_equals_a_fresh_one_for_any_batch(case: Case) -> None:
+    devices = dp.resolve_devices(["cpu"] * case.n)
+    cache = PlanCache()
+    first = cache.get(case.args, case.kwargs, devices, 0, case.opts)
+    args, kwargs = copy.deepcopy((case.args, case.kwargs))
+    _bump((args, kwargs))
+    reused = cache.get(args, kwargs, devices, 0, case.opts)
+    fresh = build_plan(args, kwargs, devices, 0, **case.opts)
+    assert first.entry_records is not None and reused.entry_records is None  # a cache hit
+    assert (reused.slices, reused.waves, reused.warnings, reused.votes) == (
+        fresh.slices,
+        fresh.waves,
+        fresh.warnings,
+        fresh.votes,
+    )
+    for wave in fresh.slices:
+        for device, start, length in wave:
+            assert_same(take(reused, start, length, device), take(fresh, start, length, device))
