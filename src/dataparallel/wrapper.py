@@ -472,19 +472,12 @@ def _check_module(module: Any) -> None:
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:
     """Whether every parameter and buffer of ``module`` is on ``device`` (no names built)."""
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        for group in (m._parameters, m._buffers):
-            for t in group.values():
-                if t is not None and not _same_device(t.device, device):
-                    return False
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return True
+    return all(
+        t is None or _same_device(t.device, device)
+        for m in module.modules()
+        for group in (m._parameters, m._buffers)
+        for t in group.values()
+    )
 
 
 def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:

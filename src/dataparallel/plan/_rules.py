@@ -285,12 +285,8 @@ class _Compiler:
         cast: bool,
         lost_ties: list[int],
     ) -> None:
-        self.batch = batch
-        self.lost_ties = lost_ties
-        self.dim = dim
-        self._voters = voters
-        self.strict = strict
-        self.cast = cast
+        self.batch, self.dim, self.strict, self.cast = batch, dim, strict, cast
+        self.lost_ties, self._voters = lost_ties, voters
         # (path, rule, why, value): formatted into Entry objects only when someone reads them
         self.entries: list[tuple[str, str, str, Any]] = []
         self.mismatched: list[tuple[str, str]] = []  # (path, what was found)
@@ -451,15 +447,22 @@ def build_plan(
     devices: list[torch.device],
     dim: int = 0,
     *,
-    batch_size: int | None = None,
-    chunk_sizes: Sequence[int] | None = None,
-    weights: Sequence[float] | None = None,
-    max_size: int | None = None,
-    dtype: torch.dtype | None = None,
-    strict: bool = False,
     allow_waves: bool = True,
+    **options: Any,
 ) -> Plan:
-    """``plan`` for already resolved devices (the wrapper's fast path)."""
+    """``plan`` for already resolved devices: what the wrapper, ``scatter`` and ``shard`` call.
+
+    ``options`` are ``plan``'s (``batch_size``, ``chunk_sizes``, ``weights``, ``max_size``,
+    ``dtype``, ``strict``); ``allow_waves=False`` refuses a batch that ``max_size`` would cut
+    into more than one round (``scatter`` returns one).
+    """
+    check_options(options)
+    batch_size: int | None = options.get("batch_size")
+    chunk_sizes: Sequence[int] | None = options.get("chunk_sizes")
+    weights: Sequence[float] | None = options.get("weights")
+    max_size: int | None = options.get("max_size")
+    dtype: torch.dtype | None = options.get("dtype")
+    strict: bool = bool(options.get("strict", False))
     if kwargs is None:
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
