@@ -44,6 +44,7 @@ _SHAPE = attrgetter("shape")
 _LAYOUT = attrgetter("layout")
 _DEVICE = attrgetter("device")
 _KWARGS = object()  # separates the positional arguments' part of a key from the keywords'
+_NESTED = object()  # starts the key of a call that is not plain tensors only
 
 
 class _Uncacheable(Exception):
@@ -65,7 +66,10 @@ def call_key(
     >>> call_key((torch.zeros(4, 2),), {}, 0, False) == call_key((torch.ones(5, 2),), {}, 0, False)
     False
     """
-    parts: list[Any] = []
+    flat = _plain_tensors(inputs, kwargs, with_device)
+    if flat is not None:  # the common call, plain tensors only
+        return flat
+    parts: list[Any] = [_NESTED]
     walker = _Walker(parts, dim, with_device)
     try:
         walker.values(inputs, 0)
@@ -74,6 +78,23 @@ def call_key(
         walker.values(kwargs.values(), 0)
     except Exception:  # odd input: the rules decide, and name what is wrong
         return None
+    return tuple(parts)
+
+
+def _plain_tensors(
+    inputs: tuple[Any, ...], kwargs: Mapping[str, Any], with_device: bool
+) -> tuple[Any, ...] | None:
+    """The key of a call whose arguments are all plain tensors (a few attribute reads each),
+    or ``None`` for any other call."""
+    parts: list[Any] = []
+    for a in inputs:
+        if type(a) is not _Tensor:
+            return None
+        parts += (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
+    for k, a in kwargs.items():
+        if type(a) is not _Tensor:
+            return None
+        parts += (k, a.shape, a.layout, a.device) if with_device else (k, a.shape, a.layout)
     return tuple(parts)
 
 
@@ -215,26 +236,20 @@ class PlanCache:
             one_device = len(devices) == 1
             signature = call_key(inputs, kwargs, dim, one_device)
             if signature is not None:
-                key = (tuple(devices), dim, frozen, signature)
-                for kept, template in self.plans:
-                    if _same(kept, key):
-                        remake = partial(build_plan, inputs, kwargs, devices, dim, **options)
-                        return template.bind(inputs, kwargs, remake)
+                key = (signature, frozen, dim, *devices)
+                try:
+                    for kept, template in self.plans:
+                        if kept == key:
+                            return template.bind(inputs, kwargs)
+                except Exception:  # a key that cannot be compared (a dict keyed by a tensor)
+                    key = None
         plan = build_plan(inputs, kwargs, devices, dim, **options)
         if key is not None:
             if one_device and _moves_nothing(plan):
                 plan.program.identity = True  # type: ignore[union-attr]
-            self.plans = [(key, plan.template()), *self.plans[: _MAX_PLANS - 1]]
+            template = plan.template(partial(build_plan, devices=devices, dim=dim, **options))
+            self.plans = [(key, template), *self.plans[: _MAX_PLANS - 1]]
         return plan
-
-
-def _same(kept: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
-    """Whether two keys are equal; a key whose parts cannot be compared (a dict keyed by a
-    tensor) is a miss."""
-    try:
-        return bool(kept == key)
-    except Exception:
-        return False
 
 
 def _moves_nothing(plan: Plan) -> bool:

@@ -205,8 +205,9 @@ class Plan:
     # Each wave's sizes over every device given, 0 for an unused one (shard's rank sizes).
     device_sizes: list[list[int]] = field(default_factory=list, repr=False)
     warning_key: tuple[str, ...] = field(default=(), repr=False)
-    # A reused plan's way to its rows: the same call planned afresh, only when they are read.
-    remake: Callable[[], Plan] | None = field(default=None, repr=False)
+    # A reused plan's way to its rows: ``remake(inputs, kwargs)`` plans the same call afresh,
+    # only when they are read.
+    remake: Callable[[Any, Mapping[str, Any]], Plan] | None = field(default=None, repr=False)
 
     @property
     def entries(self) -> list[Entry]:
@@ -214,8 +215,8 @@ class Plan:
         cached: list[Entry] | None = self.__dict__.get("_entries")
         if cached is None:
             records = self.entry_records
-            if records is None:
-                records = self.remake().entry_records if self.remake is not None else []
+            if records is None and self.remake is not None:
+                records = self.remake(self.inputs, self.kwargs or {}).entry_records
             chunks = [chunk for wave in self.slices for chunk in wave]
             cached = [
                 Entry(path, rule, why, *row_text(self, rule, value, chunks))
@@ -224,19 +225,20 @@ class Plan:
             self.__dict__["_entries"] = cached
         return cached
 
-    def bind(self, inputs: Any, kwargs: Mapping[str, Any], remake: Callable[[], Plan]) -> Plan:
+    def bind(self, inputs: Any, kwargs: Mapping[str, Any]) -> Plan:
         """This plan for another call of the same signature: same decisions and program, the
         call's own arguments (a template made by ``template`` holds none)."""
         new = Plan.__new__(Plan)
         new.__dict__.update(self.__dict__)
-        new.inputs, new.kwargs, new.remake = inputs, kwargs, remake
+        new.inputs, new.kwargs = inputs, kwargs
         return new
 
-    def template(self) -> Plan:
+    def template(self, remake: Callable[[Any, Mapping[str, Any]], Plan]) -> Plan:
         """This plan without the call's arguments or rows: what a cache may keep between calls
-        (it must not keep a batch alive)."""
-        new = self.bind(None, None, None)  # type: ignore[arg-type]
-        new.entry_records = None
+        (it must not keep a batch alive). ``remake(inputs, kwargs)`` plans a call afresh, for
+        the rows of a plan bound to it."""
+        new = self.bind(None, None)  # type: ignore[arg-type]
+        new.entry_records, new.remake = None, remake
         new.__dict__.pop("_entries", None)
         return new
 
