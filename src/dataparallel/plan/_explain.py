@@ -8,7 +8,8 @@ module only words it.
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -17,8 +18,34 @@ from torch.nn.utils.rnn import PackedSequence
 from dataparallel._tree import container_kind, describe, struct_items
 from dataparallel.markers import Shared, Split
 
-if TYPE_CHECKING:
-    from dataparallel.plan._program import Plan, Vote
+
+class Voted(Protocol):
+    """A vote for the batch size, as this module reads it (``plan.Vote``)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+class Planned(Protocol):
+    """A plan, as this module reads it (``plan.Plan``; named here, not imported, so that the
+    record and its wording do not import each other)."""
+
+    batch_size: int
+    devices: list[torch.device]
+    votes: list[Any]
+    waves: list[list[int]]
+    decided_by: str
+    dim: int
+    warnings: list[str]
+    dtype: torch.dtype | None
+    slices: list[list[tuple[torch.device, int, int]]]
+
+    @property
+    def entries(self) -> list[Any]: ...
+
 
 __all__ = ["describe_leaf", "format_plan", "row_text", "voters_phrase", "warning_text"]
 
@@ -27,7 +54,7 @@ _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 def row_text(
-    p: Plan, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
+    p: Planned, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
 ) -> tuple[str, str, str]:
     """``(what, to, receives)`` of one leaf's row: what it is, where its tensors go and what
     each device gets."""
@@ -76,7 +103,7 @@ def _tensors_in(obj: Any) -> tuple[bool, bool]:
 
 
 def _receives(
-    p: Plan, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
+    p: Planned, rule: str, value: Any, chunks: list[tuple[torch.device, int, int]]
 ) -> tuple[str, str]:
     """``(to, receives)`` of one leaf: where its tensors go and what each device gets."""
     if not chunks:
@@ -139,7 +166,7 @@ def _receives(
     return "not moved (no tensor)", "the same object"
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Planned) -> str:
     """A readable table of a plan: batch size and votes, devices and chunks, one row per leaf,
     then what each device receives (after the cast, with the devices it moves to)."""
     if not p.entries:
@@ -197,7 +224,7 @@ def _and(names: list[str]) -> str:
 
 
 def warning_text(
-    batch: int, how: str, voters: str, votes: list[Vote], mismatched: list[tuple[str, str]]
+    batch: int, how: str, voters: str, votes: Sequence[Voted], mismatched: list[tuple[str, str]]
 ) -> str:
     """The broadcast warning: what was found, then the fixes, the likeliest reading first.
 
@@ -231,7 +258,7 @@ def warning_text(
     )
 
 
-def voters_phrase(batch: int, how: str, votes: list[Vote]) -> str:
+def voters_phrase(batch: int, how: str, votes: Sequence[Voted]) -> str:
     """Who decided ``B``: ``"voted by args[0], kwargs['y']"`` or ``"set by batch_size="``."""
     if how.startswith("vote"):
         names = [v.path for v in votes if v.size == batch]
