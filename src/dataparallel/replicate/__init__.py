@@ -71,8 +71,7 @@ def _replicas_of(
         fills = entry.fills
         replicas = entry.current_replicas(module)
         if replicas is not None:
-            modules: list[nn.Module] = [module, *entry.sources[1:]]  # type: ignore[list-item]
-            if entry.fills != fills and not keep(modules, entry.refilled):
+            if entry.fills != fills and not keep(entry.modules(module), entry.refilled):
                 del table[devices]
             return replicas
         del table[devices]

@@ -11,7 +11,7 @@ Two checks, one cheap and complete, one exact about structure:
   ``module.__dict__[k] = v``, ``child.compile()``), and nothing outside the tree is looked at,
   so nothing outside it can slow the check. ``Snapshot.changed`` then names the modules that
   differ, so only their replicas are refilled.
-- :func:`signature` is the structure (submodules, their types, the names and identities of
+- :func:`structure_key` is the structure (submodules, their types, the names and identities of
   their children, parameters and buffers, each parameter's storage, each buffer's shape, dtype
   and device, the hook counts): when it still holds, the replicas are refilled in place;
   otherwise they are built again.
@@ -31,7 +31,7 @@ from torch import nn
 
 from dataparallel._checks import check_initialized
 
-__all__ = ["Scripted", "Snapshot", "fingerprint", "self_referencing", "signature"]
+__all__ = ["Scripted", "Snapshot", "fingerprint", "self_referencing", "structure_key"]
 
 
 def fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
@@ -54,22 +54,22 @@ def fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
         children = module.__dict__["_modules"]
         stack.extend(c for c in reversed(children.values()) if c is not None)
     check_initialized(modules)
-    return modules, signature(modules)
+    return modules, structure_key(modules)
 
 
 class Scripted(Exception):
     """A TorchScript module somewhere in the tree (raised by ``fingerprint``)."""
 
 
-def signature(modules: list[nn.Module]) -> list[Any]:
+def structure_key(modules: list[nn.Module]) -> list[Any]:
     """What defines the structure of ``modules`` (a preorder walk): checked on every call.
 
-    Taken over the cached preorder list, it equals the signature of a fresh walk whenever the
+    Taken over the cached preorder list, it equals the key of a fresh walk whenever the
     structure is unchanged, and differs from the cached one whenever it changed: a replaced
     child shows in its parent's entry, which comes first in preorder.
     """
-    sig: list[Any] = []
-    add = sig.append
+    key: list[Any] = []
+    add = key.append
     for module in modules:
         d = module.__dict__
         get = d.get
@@ -104,7 +104,7 @@ def signature(modules: list[nn.Module]) -> list[Any]:
             for b in buffers.values():
                 add(None if b is None else (b.shape, b.dtype, b.device))
         add(0)  # end of this module
-    return sig
+    return key
 
 
 # A module's tables whose contents a replica copies: the values and names of the first three

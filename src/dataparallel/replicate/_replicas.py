@@ -4,7 +4,10 @@
 structure (one per submodule per device, tied parameters once); tell on each call what changed
 (:class:`dataparallel.replicate._check.Snapshot`, local to this tree and complete); sync the tensors
 each call (parameters shared or copied, private buffer copies); and refill the dictionaries of
-the replicas whose source module was written (attributes, training flags, hooks).
+the replicas whose source module was written (attributes, training flags, hooks). What it
+keeps is a tree of records (``_records``: a ``Source`` per module, a ``Replica`` per device, a
+``Node`` per replica of a module, a ``Target`` per device the parameters are used on), so no
+two lists have to stay aligned by position.
 
 What is synced, and why:
 
@@ -47,21 +50,27 @@ import torch
 from torch import nn
 
 from dataparallel._warn import warn_user
-from dataparallel.replicate._check import Snapshot, fingerprint, signature
+from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
+from dataparallel.replicate._records import (
+    NOT_YET,
+    Key,
+    Node,
+    Ready,
+    Replica,
+    Source,
+    Target,
+    buffer_table,
+    device_key,
+    own_hooks,
+    tensor_slots,
+)
 
 __all__ = ["Replicas"]
 
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
 # One fused call for many buffer copies (private in torch, present since 2.1).
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
-
-_Key = tuple[str, int]
-
-
-def _key(device: torch.device) -> _Key:
-    # "mps" and "mps:0" are one device; resolved CUDA devices always carry an index.
-    return (device.type, device.index or 0)
 
 
 class Replicas:
@@ -74,158 +83,104 @@ class Replicas:
 
     def __init__(self, root: nn.Module, devices: tuple[torch.device, ...]) -> None:
         check_not_compiled(root, devices)
-        modules, sig = fingerprint(root)
-        self.sig = sig
-        self.sources: list[nn.Module | None] = [None, *modules[1:]]
+        modules, structure = fingerprint(root)
+        self.structure = structure
+        self.tree = modules[1:]  # the source modules after the root, in preorder
         self.devices = devices
-        self.keys = [_key(d) for d in devices]
-        index = {id(m): i for i, m in enumerate(modules)}
-        n = len(devices)
         self.fills = 0  # how many times the dictionaries were refilled (the table re-checks)
         self.refilled: list[int] = []  # the modules the last refill was for
+        index = {id(m): i for i, m in enumerate(modules)}
 
         # torch.compile(child) wraps the child in an OptimizedModule whose compiled forward is
         # bound to the user's child: the replicas look through it to the child's own replica.
         optimized = compiled_class()
-        self.through = {
-            i: index[id(m.__dict__["_modules"]["_orig_mod"])]
-            for i, m in enumerate(modules)
-            if optimized is not None
-            and isinstance(m, optimized)
-            and isinstance(m.__dict__["_modules"].get("_orig_mod"), nn.Module)
-        }
+        self.sources: list[Source] = []
+        for i, m in enumerate(modules):
+            inner = m.__dict__["_modules"].get("_orig_mod") if optimized is not None else None
+            wraps = optimized is not None and isinstance(m, optimized)
+            through = index[id(inner)] if wraps and isinstance(inner, nn.Module) else None
+            self.sources.append(Source(i, None if i == 0 else m, through))
         self.compiled_seen = False  # whether the eager-replica warning was given
-        if self.through and n > 1:
-            inner = modules[next(iter(self.through.values()))]
-            self._warn_compiled(f"torch.compile({type(inner).__name__})")
+        wrapped = [s.through for s in self.sources if s.through is not None]
+        if wrapped and len(devices) > 1:
+            self._warn_compiled(f"torch.compile({type(modules[wrapped[0]]).__name__})")
 
-        # Parameters and buffers, deduplicated (tied weights get one copy per device).
         self.params: list[nn.Parameter] = []
-        param_index: dict[int, int] = {}
         self.buffers: list[torch.Tensor] = []
+        param_index: dict[int, int] = {}
         buffer_index: dict[int, int] = {}
-        # Per module: (name, slot) pairs, and names that hold None.
-        self.param_slots: list[list[tuple[str, int]]] = []
-        self.buffer_slots: list[list[tuple[str, int]]] = []
-        self.none_params: list[tuple[str, ...]] = []
-        self.none_buffers: list[tuple[str, ...]] = []
-        for module in modules:
-            slots = []
-            for name, p in module._parameters.items():
-                if p is not None:
-                    slots.append((name, param_index.setdefault(id(p), len(self.params))))
-                    if slots[-1][1] == len(self.params):
-                        self.params.append(p)
-            self.param_slots.append(slots)
-            self.none_params.append(tuple(k for k, v in module._parameters.items() if v is None))
-            bslots = []
-            for name, b in module._buffers.items():
-                if b is not None:
-                    bslots.append((name, buffer_index.setdefault(id(b), len(self.buffers))))
-                    if bslots[-1][1] == len(self.buffers):
-                        self.buffers.append(b)
-            self.buffer_slots.append(bslots)
-            self.none_buffers.append(tuple(k for k, v in module._buffers.items() if v is None))
+        for source, m in zip(self.sources, modules, strict=True):
+            source.param_names, source.param_slots, source.none_params = tensor_slots(
+                m._parameters, self.params, param_index
+            )
+            source.buffer_names, source.buffer_slots, source.none_buffers = tensor_slots(
+                m._buffers, self.buffers, buffer_index
+            )
+            # Custom replication hooks (RNN's flat weights, fx.GraphModule) or a custom
+            # __setattr__ are honoured on every sync; plain modules take the fast path.
+            source.custom = (
+                type(m)._replicate_for_data_parallel is not _BASE_REPLICATE
+                or type(m).__setattr__ is not nn.Module.__setattr__
+            )
+            source.plain = not (
+                source.custom
+                or source.param_slots
+                or source.buffer_slots
+                or source.none_params
+                or source.none_buffers
+            )
+        self.with_buffers = [s for s in self.sources if s.buffer_slots]
 
-        # Custom replication hooks (RNN's flat weights, fx.GraphModule) or a custom __setattr__
-        # are honoured on every sync; plain modules take the fast dictionary path.
-        self.custom = [
-            type(m)._replicate_for_data_parallel is not _BASE_REPLICATE
-            or type(m).__setattr__ is not nn.Module.__setattr__
-            for m in modules
-        ]
         # Raises torch's own error for lazy modules, as torch.nn.parallel.replicate does. An
-        # OptimizedModule gets no replica of its own: its slot holds its child's.
-        self.replicas: list[list[nn.Module]] = []
-        for _ in range(n):
-            row = [
-                m if i in self.through else m._replicate_for_data_parallel()
-                for i, m in enumerate(modules)
+        # OptimizedModule gets no replica of its own: its node holds its child's.
+        key0 = device_key(devices[0])
+        self.replicas: list[Replica] = []
+        for j, device in enumerate(devices):
+            objects = [
+                m if s.through is not None else m._replicate_for_data_parallel()
+                for s, m in zip(self.sources, modules, strict=True)
             ]
-            for i, orig in self.through.items():
-                row[i] = row[orig]
-            self.replicas.append(row)
-        self.children: list[list[dict[str, nn.Module | None]]] = [
-            [
-                {
-                    k: None if c is None else self.replicas[j][index[id(c)]]
-                    for k, c in m._modules.items()
+            for s in self.sources:
+                if s.through is not None:
+                    objects[s.index] = objects[s.through]
+            nodes = [Node(obj, s) for obj, s in zip(objects, self.sources, strict=True)]
+            for node, m in zip(nodes, modules, strict=True):
+                node.children = {
+                    k: None if c is None else objects[index[id(c)]] for k, c in m._modules.items()
                 }
-                for m in modules
+            # Private buffers: a copy on this replica's device, made by _sync_buffers, except
+            # for replica 0's buffers on its own device (it uses the module's own).
+            private = [
+                None if j == 0 and device_key(b.device) == key0 else NOT_YET for b in self.buffers
             ]
-            for j in range(n)
-        ]
-        # Per replica, per module: its own hook tables (see _own_hooks).
-        self.hook_tables: list[list[list[Any]]] = [
-            [[None] * len(_HOOK_TABLES) for _ in modules] for _ in range(n)
-        ]
-        # Private buffers: None where replica j uses the module's own tensor (replica 0 on
-        # the buffer's device), else a copy on replica j's device, made by _sync_buffers.
-        self.private: list[list[torch.Tensor | None]] = [
-            [None if j == 0 and _key(b.device) == self.keys[0] else _NOT_YET for b in self.buffers]
-            for j in range(n)
-        ]
-        # Per replica: the buffer slots it holds a private copy of (fixed per replica set).
-        self.private_slots: list[list[int]] = [
-            [i for i, mine in enumerate(row) if mine is not None] for row in self.private
-        ]
-        # Parameter copies per target device key: tensors aligned with self.params (None where
-        # the parameter lives on that device), and the grad mode each may be refreshed in
-        # place under (None: never).
-        self.copies: dict[_Key, list[torch.Tensor | None]] = {}
-        self.copy_mode: dict[_Key, list[str | None]] = {}
-        for k in dict.fromkeys(self.keys):
-            self.copies[k] = [None] * len(self.params)
-            self.copy_mode[k] = [None] * len(self.params)
-        # Devices are part of the fingerprint, so which copies exist is fixed per set.
-        self.param_keys = [_key(p.device) for p in self.params]
-        self.targets = [k for k in self.copies if any(pk != k for pk in self.param_keys)]
+            self.replicas.append(Replica(device, nodes, private))
+
+        # Parameter tensors per device; which need copies is fixed per set (devices are part of
+        # the fingerprint).
+        self.views = {r.key: Target(r.key, self.params) for r in self.replicas}
+        self.targets = [t for t in self.views.values() if t.remote]
+        self.by_source: dict[Key, list[int]] = {}
+        for i, p in enumerate(self.params):
+            self.by_source.setdefault(device_key(p.device), []).append(i)
         # Replica 0 is the module itself when everything it holds lives on replica 0's device:
         # it would share every parameter and buffer anyway, and then needs no re-sync at all.
         # (The module is returned by sync, never stored: the cache holds it only weakly.)
-        self.own = all(k == self.keys[0] for k in self.param_keys) and all(
-            _key(b.device) == self.keys[0] for b in self.buffers
+        self.own = not self.views[key0].remote and all(
+            device_key(b.device) == key0 for b in self.buffers
         )
-        # Modules re-synced by the fast path of _fill, and the (replica, module) pairs that
-        # need the full one.
-        self.simple = [
-            not (self.custom[i] or self.param_slots[i] or self.buffer_slots[i])
-            and not (self.none_params[i] or self.none_buffers[i])
-            for i in range(len(modules))
-        ]
-        # Per replica, the modules that need the full re-sync: (replica, index, its children
-        # (None for a custom replication), parameter and buffer names that hold None, names
-        # and slots of its parameters and of its buffers).
-        self.complex: list[list[tuple[Any, ...]]] = [
-            [
-                (
-                    self.replicas[j][i],
-                    i,
-                    None if self.custom[i] else self.children[j][i],
-                    self.none_params[i],
-                    self.none_buffers[i],
-                    tuple(name for name, _ in self.param_slots[i]),
-                    tuple(slot for _, slot in self.param_slots[i]),
-                    tuple(name for name, _ in self.buffer_slots[i]),
-                    tuple(slot for _, slot in self.buffer_slots[i]),
-                )
-                for i, ok in enumerate(self.simple)
-                if not ok and i not in self.through
-            ]
-            for j in range(n)
-        ]
+        self.first = 1 if self.own else 0  # the first replica that is synced
 
-        # The module's buffers as of the last sync; per replica the parameter and buffer
-        # tensors its dictionaries hold (None: to be installed); what the last fill saw.
+        # The module's buffers as of the last sync, the fused buffer copy the next sync may
+        # take, and what the last fill saw.
         self.current: list[torch.Tensor] = list(self.buffers)
-        self.installed: list[tuple[list[torch.Tensor], list[torch.Tensor]] | None] = [None] * n
-        # (inference mode, the buffers list, copies, sources) when every private copy was
-        # written or made in place by the last sync: the next one, in the same mode and with
-        # no graph holding a copy, is one fused copy.
-        self.ready: tuple[bool, list[torch.Tensor], list[Any], list[torch.Tensor]] | None = None
+        self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
 
     # -- what changed ---------------------------------------------------------------------------
+
+    def modules(self, root: nn.Module) -> list[nn.Module]:
+        """The source tree in preorder, ``root`` first."""
+        return [root, *self.tree]
 
     def current_replicas(self, root: nn.Module) -> list[nn.Module] | None:
         """The replicas, in line with ``root`` now; ``None`` when its structure changed (the
@@ -240,7 +195,7 @@ class Replicas:
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
             return None
-        modules: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
+        modules = self.modules(root)
         if snapshot is None:
             replicas = self.sync_once(root)
             self.snapshot = Snapshot(modules)
@@ -257,97 +212,84 @@ class Replicas:
 
     def unchanged(self, root: nn.Module) -> bool:
         """Whether ``root``'s structure is still the one these replicas were built for."""
-        return signature([root, *self.sources[1:]]) == self.sig  # type: ignore[list-item]
+        return structure_key(self.modules(root)) == self.structure
 
     # -- parameters -------------------------------------------------------------------------
 
     def _sync_params(self) -> list[list[torch.Tensor]]:
-        """Per device key, per parameter slot: the tensor a replica on that device uses."""
-        params, targets = self.params, self.targets
+        """Per replica, per parameter slot: the tensor it uses."""
+        targets = self.targets
         if not targets:  # every replica sits on its parameters' devices: share them all
-            return [params] * len(self.keys)  # type: ignore[list-item]
+            return [self.params] * len(self.replicas)  # type: ignore[list-item]
         mode = _mode()
         if mode is None:
-            self._copy_fresh(targets)
+            self._copy_fresh()
         else:
-            self._copy_in_place(targets, mode)
-        views: dict[_Key, list[torch.Tensor]] = {}
-        for k, copies in self.copies.items():
-            views[k] = [
-                p if pk == k or c is None else c
-                for p, pk, c in zip(params, self.param_keys, copies, strict=True)
-            ]
-        return [views[k] for k in self.keys]
+            for target in targets:
+                self._copy_in_place(target, mode)
+        # New lists: a replica's install compares them with the last ones it got.
+        views = {k: list(t.tensors) if t.remote else t.tensors for k, t in self.views.items()}
+        return [views[r.key] for r in self.replicas]
 
-    def _copy_fresh(self, targets: list[_Key]) -> None:
+    def _copy_fresh(self) -> None:
         """Grad enabled: new copies, differentiable, that no later call ever writes."""
         params = self.params
-        by_source: dict[_Key, list[int]] = {}
-        for i, pk in enumerate(self.param_keys):
-            by_source.setdefault(pk, []).append(i)
-        for source, slots in by_source.items():
-            dests = [k for k in targets if k != source]
+        for source, slots in self.by_source.items():
+            dests = [t for t in self.targets if t.key != source]
             if not dests:
                 continue
-            if source[0] == "cuda" and all(k[0] == "cuda" for k in dests):
+            for t in dests:
+                t.mode = None  # graph-bound: never refreshed in place
+            if source[0] == "cuda" and all(t.key[0] == "cuda" for t in dests):
                 from torch.nn.parallel._functions import Broadcast
 
                 # One coalesced, differentiable broadcast; its backward is a reduce-add onto
                 # the source device, as in torch.nn.parallel.replicate.
-                indices = [source[1], *(k[1] for k in dests)]
+                indices = [source[1], *(t.key[1] for t in dests)]
                 out = Broadcast.apply(indices, *(params[i] for i in slots))
                 n = len(slots)
-                for d, k in enumerate(dests, start=1):
+                for d, t in enumerate(dests, start=1):
                     for s, i in enumerate(slots):
-                        self.copies[k][i] = out[d * n + s]
-                        self.copy_mode[k][i] = None  # graph-bound: never refreshed in place
+                        t.tensors[i] = out[d * n + s]
             else:
-                for k in dests:
-                    device = torch.device(*k)
+                for t in dests:
                     for i in slots:
-                        self.copies[k][i] = _copy_to(params[i], device)
-                        self.copy_mode[k][i] = None
+                        t.tensors[i] = _copy_to(params[i], t.device)
 
-    def _copy_in_place(self, targets: list[_Key], mode: str) -> None:
-        """Grad disabled: refresh the copies on other devices from the module's parameters.
+    def _copy_in_place(self, target: Target, mode: str) -> None:
+        """Grad disabled: refresh ``target``'s copies from the module's parameters.
 
         Every call copies (one fused copy into the existing tensors): no cheap test tells that a
         parameter changed, since fused optimizers and ``p.data`` updates do not bump
-        ``_version``. A copy is written in place only when a call in this same mode made it
-        (no graph can hold it); otherwise a new one is made.
+        ``_version``. The copies are written in place only when a call in this same mode made
+        them (no graph can hold them); otherwise new ones are made.
         """
+        params, tensors = self.params, target.tensors
+        fresh = target.mode != mode
+        target.mode = None  # until every copy is in ``mode``
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
         with torch.no_grad():
-            for k in targets:
-                copies, modes = self.copies[k], self.copy_mode[k]
-                device = torch.device(*k)
-                dests: list[torch.Tensor] = []
-                sources: list[torch.Tensor] = []
-                for i, (p, pk) in enumerate(zip(self.params, self.param_keys, strict=True)):
-                    if pk == k:
-                        continue
-                    c = copies[i]
-                    if c is None or modes[i] != mode or c.shape != p.shape or c.dtype != p.dtype:
-                        copies[i] = _copy_to(p.detach(), device)
-                        modes[i] = mode
-                    else:
-                        dests.append(c)
-                        sources.append(p.detach())
-                _copy_all(dests, sources)
+            for i in target.remote:
+                p, c = params[i], tensors[i]
+                if fresh or c.shape != p.shape or c.dtype != p.dtype:
+                    tensors[i] = _copy_to(p.detach(), target.device)
+                else:
+                    dests.append(c)
+                    sources.append(p.detach())
+            _copy_all(dests, sources)
+        target.mode = mode
 
     # -- buffers ----------------------------------------------------------------------------
 
     def _current_buffers(self, root: nn.Module) -> list[torch.Tensor]:
         """The module's buffers now: one may have been reassigned (same shape) since the build."""
         current = list(self.buffers)
-        for i, slots in enumerate(self.buffer_slots):
-            if slots:
-                bufs = (root if i == 0 else self._source(i))._buffers
-                for name, slot in slots:
-                    current[slot] = bufs[name]  # type: ignore[assignment]
+        for s in self.with_buffers:
+            bufs = (root if s.module is None else s.module)._buffers
+            for name, slot in zip(s.buffer_names, s.buffer_slots, strict=True):
+                current[slot] = bufs[name]  # type: ignore[assignment]
         return current
-
-    def _source(self, i: int) -> nn.Module:
-        return self.sources[i]  # type: ignore[return-value]
 
     def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
         """Bring every private buffer copy in line with the module's buffers.
@@ -365,12 +307,12 @@ class Replicas:
         ready = self.ready
         if (
             ready is not None
-            and ready[0] == inference
-            and ready[1] is buffers
-            and max(map(_USE_COUNT, ready[2]), default=1) == 1
+            and ready.inference == inference
+            and ready.buffers is buffers
+            and max(map(_USE_COUNT, ready.dests), default=1) == 1
         ):
             try:  # every copy free to write, as the last call left them
-                _copy_all(ready[2], ready[3])
+                _copy_all(ready.dests, ready.sources)
                 return
             except RuntimeError:  # a buffer's shape changed through .data: the careful path
                 pass
@@ -379,9 +321,9 @@ class Replicas:
         sources: list[torch.Tensor] = []
         reusable = True
         with torch.no_grad():
-            for j, device in enumerate(self.devices):
-                row = self.private[j]
-                for i in self.private_slots[j]:
+            for replica in self.replicas:
+                row, device = replica.private, replica.device
+                for i in replica.private_slots:
                     b = buffers[i]
                     mine = row[i]
                     if mode is None and b.requires_grad:
@@ -389,7 +331,7 @@ class Replicas:
                             row[i] = _copy_to(b, device)
                         reusable = False
                     elif (
-                        mine is _NOT_YET
+                        mine is NOT_YET
                         or mine is None
                         or mine.is_inference() != inference
                         or mine.shape != b.shape
@@ -403,18 +345,13 @@ class Replicas:
             _copy_all(dests, sources)
         if reusable:
             # Next time, in this mode, on these buffers: one fused copy and nothing else.
-            pairs = [
-                (row[i], buffers[i])
-                for row, slots in zip(self.private, self.private_slots, strict=True)
-                for i in slots
-            ]
-            self.ready = (inference, buffers, [a for a, _ in pairs], [b.detach() for _, b in pairs])
-
-    def _buffers_of(self, j: int, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The buffers replica ``j`` uses: the module's own where it has no private copy."""
-        return [
-            b if mine is None else mine for b, mine in zip(buffers, self.private[j], strict=True)
-        ]
+            mine_all: list[torch.Tensor] = []
+            theirs: list[torch.Tensor] = []
+            for replica in self.replicas:
+                for i in replica.private_slots:
+                    mine_all.append(replica.private[i])  # type: ignore[arg-type]
+                    theirs.append(buffers[i].detach())
+            self.ready = Ready(inference, buffers, mine_all, theirs)
 
     # -- the whole sync ---------------------------------------------------------------------
 
@@ -429,7 +366,8 @@ class Replicas:
         self.current = buffers
         self._fill(root, buffers, only)
         self.fills += 1
-        self.installed = [None] * len(self.devices)
+        for replica in self.replicas:
+            replica.params_in = replica.buffers_in = None
         self._install(root, per_device)
         return self._roots(root)
 
@@ -446,40 +384,42 @@ class Replicas:
 
     def _install(self, root: nn.Module, per_device: list[list[torch.Tensor]]) -> None:
         """Point each replica at this call's parameter and buffer tensors, where they are new."""
-        first = 1 if self.own else 0
-        for j, records in enumerate(self.complex):
-            if j < first or not records:
+        for replica, tensors in zip(self.replicas, per_device, strict=True):
+            full = replica.full
+            if not full or (replica is self.replicas[0] and self.own):
                 continue
-            tensors = per_device[j]
-            buffers = self._buffers_of(j, self.current)
-            before = self.installed[j]
+            buffers = replica.buffers(self.current)
+            before, before_buffers = replica.params_in, replica.buffers_in
             new_params = before is None or not (
-                before[0] is tensors or all(map(operator.is_, before[0], tensors))
+                before is tensors or all(map(operator.is_, before, tensors))
             )
-            new_buffers = before is None or not all(map(operator.is_, before[1], buffers))
+            new_buffers = before_buffers is None or not all(
+                map(operator.is_, before_buffers, buffers)
+            )
             if not (new_params or new_buffers):
                 continue
             take_param = tensors.__getitem__
             take_buffer = buffers.__getitem__
-            for rep, i, kids, _, _, pnames, pslots, bnames, bslots in records:
-                if kids is None:  # a custom replication hook or __setattr__
-                    self._sync_custom(j, i, self._source_or_root(i, root), tensors, buffers)
+            for node in full:
+                s = node.source
+                if s.custom:  # a custom replication hook or __setattr__
+                    src = root if s.module is None else s.module
+                    self._sync_custom(node, src, tensors, buffers)
                     continue
-                d = rep.__dict__
-                if pnames and new_params:
-                    attrs = dict(zip(pnames, map(take_param, pslots), strict=True))
+                d = node.module.__dict__
+                if s.param_names and new_params:
+                    attrs = dict(zip(s.param_names, map(take_param, s.param_slots), strict=True))
                     # torch exposes the copies here for DDP (#33907); harmless elsewhere.
                     d["_former_parameters"] = OrderedDict(attrs)
                     d.update(attrs)
-                if bnames and new_buffers:
-                    d["_buffers"].update(zip(bnames, map(take_buffer, bslots), strict=True))
-            self.installed[j] = (tensors, buffers)
-
-    def _source_or_root(self, i: int, root: nn.Module) -> nn.Module:
-        return root if i == 0 else self._source(i)
+                if s.buffer_names and new_buffers:
+                    d["_buffers"].update(
+                        zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
+                    )
+            replica.params_in, replica.buffers_in = tensors, buffers
 
     def _roots(self, root: nn.Module) -> list[nn.Module]:
-        replicas = [reps[0] for reps in self.replicas]
+        replicas = [r.nodes[0].module for r in self.replicas]
         if self.own:
             replicas[0] = root
         return replicas
@@ -490,57 +430,37 @@ class Replicas:
 
         Each replica gets a new dictionary (one C-level copy costs less than clearing and
         refilling the old one) with fresh tables, so nothing a forward does to a replica
-        outlives it. Parameters and buffers are put in by ``_install``.
+        outlives it. Parameters are put in by ``_install``, and everything of a module with a
+        custom replication.
         """
-        sources: list[nn.Module] = [root, *self.sources[1:]]  # type: ignore[list-item]
-        dicts = [m.__dict__ for m in sources]
-        wanted = None if only is None else set(only)
+        modules = self.modules(root)
         set_dict = object.__setattr__
         new_od = OrderedDict
-        first = 1 if self.own else 0
-        for j in range(first, len(self.devices)):
-            for i, (rep, src_dict, kids, simple, hooks) in enumerate(
-                zip(
-                    self.replicas[j],
-                    dicts,
-                    self.children[j],
-                    self.simple,
-                    self.hook_tables[j],
-                    strict=True,
-                )
-            ):
-                if not simple or i in self.through or (wanted is not None and i not in wanted):
+        for replica in self.replicas[self.first :]:
+            nodes = replica.nodes if only is None else [replica.nodes[i] for i in only]
+            private: list[torch.Tensor] | None = None
+            for node in nodes:
+                s = node.source
+                if s.through is not None or s.custom:
                     continue
-                # no parameters, no buffers, no custom hooks: most modules
-                d = src_dict.copy()
-                d["_parameters"] = {}
-                d["_modules"] = kids.copy()
+                d = modules[s.index].__dict__.copy()
+                d["_modules"] = node.children.copy()
                 d["_is_replica"] = True
-                d["_buffers"] = {}
                 d["_former_parameters"] = new_od()
-                self._own_state(d, hooks, sources[i])
-                set_dict(rep, "__dict__", d)
-        for j, records in enumerate(self.complex):
-            if not records or j < first:
-                continue
-            private = self._buffers_of(j, buffers)
-            for rep, i, kids, none_params, none_buffers, _, _, bnames, bslots in records:
-                if kids is None or (wanted is not None and i not in wanted):
-                    continue  # custom modules are re-synced by _install
-                d = dicts[i].copy()
-                d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-                d["_modules"] = kids.copy()
-                d["_is_replica"] = True
-                bufs: dict[str, torch.Tensor | None] = dict.fromkeys(none_buffers)
-                bufs.update(zip(bnames, map(private.__getitem__, bslots), strict=True))
-                d["_buffers"] = bufs
-                d["_former_parameters"] = new_od()
-                self._own_state(d, self.hook_tables[j][i], sources[i])
-                set_dict(rep, "__dict__", d)
+                if s.plain:  # no parameters, no buffers, no custom hooks: most modules
+                    d["_parameters"] = {}
+                    d["_buffers"] = {}
+                else:
+                    if private is None:
+                        private = replica.buffers(buffers)
+                    d["_parameters"] = dict.fromkeys(s.none_params) if s.none_params else {}
+                    d["_buffers"] = buffer_table(s, private)
+                self._own_state(d, node.hooks, modules[s.index])
+                set_dict(node.module, "__dict__", d)
 
     def _own_state(self, d: dict[str, Any], hooks: list[Any], source: nn.Module) -> None:
         """What a replica's new ``__dict__`` must not share with its source's."""
-        _own_hooks(d, hooks)
+        own_hooks(d, hooks)
         if d.get("_compiled_call_impl") is not None:
             # module.compile(): the compiled call is bound to the user's module; the replica
             # runs its own forward, eagerly.
@@ -560,52 +480,31 @@ class Replicas:
 
     def _sync_custom(
         self,
-        j: int,
-        i: int,
+        node: Node,
         src: nn.Module,
         tensors: list[torch.Tensor],
-        take_buffer: list[torch.Tensor],
+        buffers: list[torch.Tensor],
     ) -> None:
-        """Re-sync replica ``j`` of a module with its own replication hook or ``__setattr__``."""
-        rep = self.replicas[j][i]
+        """Re-sync a replica of a module with its own replication hook or ``__setattr__``."""
+        s = node.source
         d = src._replicate_for_data_parallel().__dict__.copy()
-        none_params = self.none_params[i]
+        none_params = s.none_params
         d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-        d["_modules"] = self.children[j][i].copy()
+        d["_modules"] = node.children.copy()
         d["_is_replica"] = True
-        bufs: dict[str, torch.Tensor | None] = dict.fromkeys(self.none_buffers[i])
-        for name, slot in self.buffer_slots[i]:
-            bufs[name] = take_buffer[slot]
-        d["_buffers"] = bufs
-        pslots = self.param_slots[i]
+        d["_buffers"] = buffer_table(s, buffers)
         attrs: OrderedDict[str, torch.Tensor] = OrderedDict(
-            [(name, tensors[slot]) for name, slot in pslots]
+            zip(s.param_names, map(tensors.__getitem__, s.param_slots), strict=True)
         )
         d["_former_parameters"] = attrs
-        self._own_state(d, self.hook_tables[j][i], src)
+        self._own_state(d, node.hooks, src)
+        rep = node.module
         object.__setattr__(rep, "__dict__", d)
-        if pslots:
+        if attrs:
             for name, value in attrs.items():
                 setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
             # setattr registers a same-device Parameter: keep replicas free of them.
             rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-
-
-# A private buffer copy not made yet (the first sync makes it).
-_NOT_YET: Any = object()
-
-# The hook tables a replica holds its own copy of: a hook registered during a replica's forward
-# (lazily, as transformers' output capture does) must land once, on the module, through
-# replica 0, as on one device.
-_HOOK_TABLES = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks_with_kwargs",
-)
 
 
 def _mode() -> str | None:
@@ -644,22 +543,3 @@ def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         else:  # pragma: no cover - torch without the fused copy
             for dest, source in zip(dests, sources, strict=True):
                 dest.copy_(source)
-
-
-def _own_hooks(d: dict[str, Any], mine: list[Any]) -> None:
-    """Give a replica's new ``__dict__`` hook tables of its own, equal to its source's.
-
-    A replica's ``__dict__`` is a shallow copy of its source's: without this, a hook registered
-    during a replica's forward would land in the user's module too and fire twice from then on
-    (torch's replicate has that flaw). ``mine`` holds the replica's tables between fills: while
-    both the source's and the replica's are empty (the usual case) the same empty table is
-    reused, otherwise the source's is copied, so the replica always starts with its source's
-    hooks and nothing it registers outlives the next fill.
-    """
-    for k, name in enumerate(_HOOK_TABLES):
-        src = d.get(name)
-        if src is None:
-            continue
-        if src or mine[k] is None or mine[k]:
-            mine[k] = src.copy()
-        d[name] = mine[k]
