@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.plan``, one file per module."""

@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.replicate``, one file per module."""
