@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import queue
 import threading
@@ -78,6 +79,7 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
         return False, torch.float32
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Task:
     """One replica's work and its result; ``done`` is released by whoever ran it.
 
@@ -85,54 +87,26 @@ class _Task:
     wait (a ``threading.Event`` builds a condition and a lock per task, four times the cost).
     """
 
-    __slots__ = (
-        "args",
-        "autocast",
-        "cancelled",
-        "context",
-        "device",
-        "done",
-        "error",
-        "grad",
-        "kwargs",
-        "module",
-        "replay",
-        "result",
-        "side",
-        "span",
-        "stream",
-        "sync",
-    )
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    device: torch.device
+    grad: bool
+    autocast: list[tuple[str, torch.dtype]]
+    stream: Any  # the caller's current stream on a CUDA device, else None
+    side: Any  # a pool side stream for a repeated CUDA device, else None
+    sync: bool  # time the replica (on CUDA: with pooled events, read later)
+    span: Span | None = None
+    # Set by apply_replicas for a task that goes to a worker: the caller's thread state to
+    # enter there, and a copy of its contextvars (None when it has none).
+    replay: Replay = ()
+    context: contextvars.Context | None = None
+    result: Any = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: Any = dataclasses.field(init=False)
 
-    def __init__(
-        self,
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        device: torch.device,
-        grad: bool,
-        autocast: list[tuple[str, torch.dtype]],
-        stream: Any,
-        side: Any,
-        sync: bool,
-    ) -> None:
-        self.module = module
-        self.args = args
-        self.kwargs = kwargs
-        self.device = device
-        self.grad = grad
-        self.autocast = autocast
-        self.stream = stream  # the caller's current stream on a CUDA device, else None
-        self.side = side  # a pool side stream for a repeated CUDA device, else None
-        self.sync = sync  # time the replica (on CUDA: with pooled events, read later)
-        self.span: Span | None = None
-        # Set by apply_replicas for a task that goes to a worker: the caller's thread state
-        # to enter there, and a copy of its contextvars (None when it has none).
-        self.replay: Replay = ()
-        self.context: contextvars.Context | None = None
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.cancelled = False
+    def __post_init__(self) -> None:
         self.done = _allocate_lock()
         self.done.acquire()
 

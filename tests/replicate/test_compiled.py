@@ -1,5 +1,9 @@
-"""``replicate._compiled``: a compiled module is refused on two or more replicas, with the fix,
-and accepted on one (the module is its own replica)."""
+"""``dataparallel.replicate._compiled``: a module compiled as a whole is not replicated.
+
+A ``torch.compile`` result's forward is bound to the original module, so replicas of it would
+all run that one module; ``DataParallel`` refuses it over two or more replicas and names the
+fix, and accepts it on one (the module itself runs, as on one device).
+"""
 
 from __future__ import annotations
 
@@ -7,28 +11,53 @@ import pytest
 import torch
 from torch import nn
 
+import dataparallel as dp
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
 
-ONE = [torch.device("cpu")]
-TWO = [torch.device("cpu")] * 2
+CPU2 = [torch.device("cpu")] * 2
 
 
-def test_an_eager_module_passes_on_any_device_list() -> None:
-    check_not_compiled(nn.Linear(2, 2), TWO)
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
-def test_a_module_compiled_in_place_is_refused_on_two_replicas_only() -> None:
-    module = nn.Linear(2, 2)
-    module.compile()  # stores a compiled call bound to this very module
-    check_not_compiled(module, ONE)
-    with pytest.raises(TypeError, match=r"compiled in place.*torch\.compile\(dp\.DataParallel"):
-        check_not_compiled(module, TWO)
+def test_a_torch_compile_result_is_refused_over_two_replicas() -> None:
+    compiled = torch.compile(_model(), backend="eager")
+    assert compiled_class() is type(compiled)
+    with pytest.raises(TypeError, match=r"torch\.compile\(\.\.\.\) result") as info:
+        dp.DataParallel(compiled, CPU2)
+    assert "torch.compile(dp.DataParallel(model))" in str(info.value)
+    assert "over 2 replicas" in str(info.value)
 
 
-def test_a_torch_compile_result_is_refused_and_its_class_is_found() -> None:
-    compiled = torch.compile(nn.Linear(2, 2))
-    cls = compiled_class()
-    assert cls is not None and isinstance(compiled, cls)
-    check_not_compiled(compiled, ONE)
-    with pytest.raises(TypeError, match=r"OptimizedModule.*_orig_mod"):
-        check_not_compiled(compiled, TWO)
+def test_a_module_compiled_in_place_is_refused_over_two_replicas() -> None:
+    model = _model()
+    model.compile(backend="eager")
+    with pytest.raises(TypeError, match=r"compiled in place with module\.compile\(\)"):
+        dp.DataParallel(model, CPU2)
+
+
+def test_a_module_compiled_after_wrapping_is_refused_at_the_next_call() -> None:
+    model = _model()
+    wrapper = dp.DataParallel(model, CPU2)
+    x = torch.randn(6, 4)
+    wrapper(x)
+    model.compile(backend="eager")
+    with pytest.raises(TypeError, match="compiled in place"):
+        wrapper(x)
+
+
+def test_one_replica_runs_the_compiled_module_as_on_one_device() -> None:
+    model = _model()
+    x = torch.randn(6, 4)
+    expected = model(x)
+    compiled = torch.compile(model, backend="eager")
+    torch.testing.assert_close(dp.DataParallel(compiled, ["cpu"])(x), expected)
+
+
+def test_eager_modules_and_compiled_children_pass() -> None:
+    model = _model()
+    check_not_compiled(model, CPU2)
+    model[0] = torch.compile(model[0], backend="eager")  # a child: each replica copies it
+    check_not_compiled(model, CPU2)

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -40,59 +40,58 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{where}: {message}" if where else message)
 
 
-def _int_at_least(low: int) -> Any:
-    def parse(text: str) -> int:
+def _checked(
+    convert: Callable[[str], Any],
+    noun: str,
+    ok: Callable[[Any], bool],
+    expected: str,
+    *,
+    fix: str = "",
+    show_text: bool = False,
+) -> Callable[[str], Any]:
+    """An argparse ``type=``: ``convert`` the text, then require ``ok(value)``.
+
+    Each option's two errors say "expected X, got Y" and then ``fix``; ``show_text`` quotes the
+    text as typed in the second one (``'1e400'``, not ``inf``).
+    """
+
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value!r}")
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}{fix}") from None
+        if not ok(value):
+            got = text if show_text else value
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {got!r}{fix}")
         return value
 
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number, got {text!r}; fix: pass a number such as 0.01"
-        ) from None
-    if not (value > 0 and math.isfinite(value)):  # NaN fails both
-        raise argparse.ArgumentTypeError(
-            f"expected a finite number > 0, got {text!r}; fix: pass a number such as 0.01"
-        )
-    return value
+def _int_at_least(low: int) -> Callable[[str], Any]:
+    return _checked(int, "an integer", lambda v: v >= low, f"an integer >= {low}")
 
+
+_positive_float = _checked(
+    float,
+    "a number",
+    lambda v: v > 0 and math.isfinite(v),  # NaN fails both
+    "a finite number > 0",
+    fix="; fix: pass a number such as 0.01",
+    show_text=True,
+)
 
 SEED_LIMIT = 2**63
 """Seeds are 0 <= seed < 2**63: torch's generators take 64 bits, and each epoch adds its index."""
 
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer, got {text!r}; fix: pass a seed such as 0"
-        ) from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer in 0..2**63-1, got {value}; fix: pass a seed such as 0"
-        )
-    return value
-
-
-def _momentum(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value!r}")
-    return value
+_seed = _checked(
+    int,
+    "an integer",
+    lambda v: 0 <= v < SEED_LIMIT,
+    "an integer in 0..2**63-1",
+    fix="; fix: pass a seed such as 0",
+)
+_momentum = _checked(float, "a number", lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def _wrap(text: str) -> str:
@@ -106,6 +105,14 @@ def _examples(*pairs: tuple[str, str]) -> str:
     for command, what in pairs:
         lines += [f"  {command}", f"      {what}"]
     return "\n".join(lines)
+
+
+_PER_DATASET_HELP = {
+    "epochs": "epochs in all, counting those a resumed checkpoint holds",
+    "batch_size": "global batch size, split over the devices",
+    "lr": "SGD learning rate",
+}
+"""``train``'s options whose default comes from the dataset, and what each sets."""
 
 
 def _per_dataset(field: str) -> str:
@@ -232,25 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
         "RandomDataset) or cifar10:DIR (the official CIFAR-10 python batches in DIR) "
         "(default: %(default)s)",
     )
-    t.add_argument(
-        "--epochs",
-        type=_int_at_least(0),
-        metavar="N",
-        help=f"epochs in all, counting those a resumed checkpoint holds (default per dataset: "
-        f"{_per_dataset('epochs')})",
-    )
-    t.add_argument(
-        "--batch-size",
-        type=_int_at_least(1),
-        metavar="N",
-        help=f"global batch size, split over the devices (default per dataset: "
-        f"{_per_dataset('batch_size')})",
-    )
-    t.add_argument(
-        "--lr",
-        type=_positive_float,
-        help=f"SGD learning rate (default per dataset: {_per_dataset('lr')})",
-    )
+    # The options whose default comes from the dataset (the help names each dataset's value).
+    for key, kind, metavar in (
+        ("epochs", _int_at_least(0), "N"),
+        ("batch_size", _int_at_least(1), "N"),
+        ("lr", _positive_float, None),
+    ):
+        t.add_argument(
+            "--" + key.replace("_", "-"),
+            type=kind,
+            metavar=metavar,
+            help=f"{_PER_DATASET_HELP[key]} (default per dataset: {_per_dataset(key)})",
+        )
     t.add_argument(
         "--momentum", type=_momentum, default=0.9, help="SGD momentum (default: %(default)s)"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["as_float", "as_int", "cut_batch", "even_sizes", "weighted_sizes"]
@@ -74,19 +74,38 @@ def as_float(value: Any) -> Any:
         return value
 
 
-def _check_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int]) -> list[int]:
-    sizes = [as_int(s) for s in chunk_sizes]
-    if len(sizes) != n:
+def _check_each(
+    name: str,
+    n: int,
+    values: list[Any],
+    noun: str,
+    ok: Callable[[Any], bool],
+    expected: str,
+    advice: str,
+) -> None:
+    """What ``chunk_sizes`` and ``weights`` both need: one ``noun`` per device, each ``ok``
+    (a bool never is: ``True`` is not a size)."""
+    if len(values) != n:
         raise ValueError(
-            f"chunk_sizes: expected one size per device ({n}), got {len(sizes)}: {sizes!r}; "
+            f"{name}: expected one {noun} per device ({n}), got {len(values)}: {values!r}; "
             f"give 0 for a device to skip it"
         )
-    for i, size in enumerate(sizes):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(
-                f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}; "
-                f"chunk_sizes={sizes!r}"
-            )
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not ok(value):
+            raise ValueError(f"{name}[{i}]: expected {expected}, got {value!r}; {advice}")
+
+
+def _check_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int]) -> list[int]:
+    sizes = [as_int(s) for s in chunk_sizes]
+    _check_each(
+        "chunk_sizes",
+        n,
+        sizes,
+        "size",
+        lambda s: isinstance(s, int) and s >= 0,
+        "a non-negative int",
+        f"chunk_sizes={sizes!r}",
+    )
     if sum(sizes) != batch:
         raise ValueError(
             f"chunk_sizes: {sizes!r} sum to {sum(sizes)}, expected the batch size {batch}; "
@@ -97,17 +116,15 @@ def _check_chunk_sizes(batch: int, n: int, chunk_sizes: Sequence[int]) -> list[i
 
 def _check_weights(n: int, weights: Sequence[float]) -> list[float]:
     values = [as_float(w) for w in weights]
-    if len(values) != n:
-        raise ValueError(
-            f"weights: expected one weight per device ({n}), got {len(values)}: {values!r}; "
-            f"give 0 for a device to skip it"
-        )
-    for i, w in enumerate(values):
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(
-                f"weights[{i}]: expected a finite number >= 0, got {w!r}; weights are relative "
-                f"shares such as [1, 2] (0 skips a device)"
-            )
+    _check_each(
+        "weights",
+        n,
+        values,
+        "weight",
+        lambda w: isinstance(w, (int, float)) and math.isfinite(w) and w >= 0,
+        "a finite number >= 0",
+        "weights are relative shares such as [1, 2] (0 skips a device)",
+    )
     if sum(values) <= 0:
         raise ValueError(
             f"weights: {values!r} are all zero, expected at least one positive weight; give the "

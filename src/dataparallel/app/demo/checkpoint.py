@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,12 +23,14 @@ from torch import nn
 
 from dataparallel.app.demo.data import DemoData
 from dataparallel.app.demo.options import EpochStats, TrainOptions, UsageError
+from dataparallel.app.demo.report import print_epoch
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "check_resume",
     "checkpoint_message",
     "checkpoint_state",
+    "end_epoch",
     "load_checkpoint",
     "resume",
     "resume_message",
@@ -230,3 +233,22 @@ def checkpoint_state(
         "history": [dataclasses.asdict(h) for h in history],
         "config": config,
     }
+
+
+def end_epoch(
+    stats: EpochStats,
+    epochs: int,
+    out: TextIO,
+    path: str | None,
+    state: Callable[[], dict[str, Any]],
+    first: bool,
+) -> None:
+    """Close an epoch: write the checkpoint to ``path`` (when given) before the epoch's line, so
+    the line means it is kept; print the line; on the run's ``first`` epoch, say where it wrote
+    (once: the file is rewritten every epoch). ``state`` builds the checkpoint only if needed.
+    """
+    if path:
+        save_checkpoint(path, state())
+    print_epoch(stats, epochs, out)
+    if path and first:
+        print(checkpoint_message(path, stats.epoch), file=out, flush=True)

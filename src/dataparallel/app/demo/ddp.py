@@ -12,31 +12,29 @@ cut over ranks) and its evaluation (gathered over ranks) differ from dp's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 from torch import nn
 
-from dataparallel.app.demo.checkpoint import (
-    checkpoint_message,
-    checkpoint_state,
-    resume,
-    run_config,
-    save_checkpoint,
-)
+from dataparallel.app.demo.checkpoint import checkpoint_state, end_epoch, resume, run_config
 from dataparallel.app.demo.data import DemoData
 from dataparallel.app.demo.models import build_model
 from dataparallel.app.demo.options import (
     EpochStats,
-    TrainOptions,
-    TrainResult,
+    RunClock,
     UsageError,
     check_finite_loss,
     load_data,
     resolve_hyper,
+    train_result,
 )
-from dataparallel.app.demo.report import print_epoch, progress_bar, progress_shown
+from dataparallel.app.demo.report import progress_bar, progress_shown
+
+if TYPE_CHECKING:  # annotations only
+    from dataparallel.app.demo.options import TrainOptions, TrainResult
 
 __all__ = ["ddp_train"]
 
@@ -123,8 +121,7 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         sampler = ShardedSampler(data.train, shuffle=True, seed=opts.seed)
         loader = DataLoader(data.train, batch_size=sizes[info.rank], sampler=sampler)
         n = len(data.train_y)
-        wall = time.perf_counter()
-        trained, train_time = 0, 0.0
+        clock = RunClock()
         last_samples, last_seconds = 0, 0.0
         for epoch in range(start_epoch, epochs):
             sampler.set_epoch(epoch)
@@ -164,7 +161,7 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
                         bar.update(totals[k])
                         bar.set_postfix(loss=f"{value / samples:.4f}")
             seconds = time.perf_counter() - t0
-            trained, train_time = trained + n, train_time + seconds
+            clock.add(n, seconds)
             # The epoch's figures in one all-reduce: the loss sums and the test counts.
             (loss_total, seen_total), (accuracy, classes) = _epoch_figures(
                 ddp.module, data, batch_size, opts.trace, device, [loss_sum, seen]
@@ -175,14 +172,10 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             stats = EpochStats(epoch + 1, loss_total / seen_total, accuracy, n / seconds, seconds)
             history.append(stats)
             if main:
-                if opts.checkpoint:  # written before the epoch's line, as in dp
-                    save_checkpoint(
-                        opts.checkpoint,
-                        checkpoint_state(epoch + 1, net, optimizer, history, config),
-                    )
-                print_epoch(stats, epochs, out)
-                if opts.checkpoint and epoch == start_epoch:  # where it wrote, once
-                    print(checkpoint_message(opts.checkpoint, epoch + 1), file=out, flush=True)
+                state = functools.partial(
+                    checkpoint_state, epoch + 1, net, optimizer, history, config
+                )
+                end_epoch(stats, epochs, out, opts.checkpoint, state, first=epoch == start_epoch)
         last = torch.tensor([[info.rank, last_samples, last_seconds]], dtype=torch.float64)
         loads = gather_all(last)
         _, (accuracy, classes) = _epoch_figures(
@@ -194,23 +187,14 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
     table = ["rank  samples  seconds"] + [
         f"{int(r):>4}  {int(s):>7}  {t:7.4f}" for r, s, t in loads.tolist()
     ]
-    return TrainResult(
-        data=data.spec,
-        strategy="ddp",
-        devices=devices,
-        epochs=epochs,
-        batch_size=batch_size,
-        history=history,
-        test_accuracy=accuracy,
-        per_class=classes,
-        samples_per_second=trained / train_time if train_time else 0.0,
-        wall_seconds=time.perf_counter() - wall,
-        last_step="\n".join(table),
-        last_call={
-            "devices": devices,
-            "chunk_sizes": [int(s) for s in loads[:, 1].tolist()],
-            "seconds": [float(t) for t in loads[:, 2].tolist()],
-        },
+    last_call = {
+        "devices": devices,
+        "chunk_sizes": [int(s) for s in loads[:, 1].tolist()],
+        "seconds": [float(t) for t in loads[:, 2].tolist()],
+    }
+    hyper, scores = (epochs, batch_size), (accuracy, classes)
+    return train_result(
+        data, "ddp", devices, hyper, history, scores, clock, ("\n".join(table), last_call)
     )
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from dataparallel.app.demo.data import DataError, DemoData, load_dataset
 __all__ = [
     "PLOT_FORMATS",
     "EpochStats",
+    "RunClock",
     "TrainOptions",
     "TrainResult",
     "TrainingError",
@@ -29,6 +31,7 @@ __all__ = [
     "check_outputs",
     "load_data",
     "resolve_hyper",
+    "train_result",
 ]
 
 
@@ -104,6 +107,41 @@ class TrainResult:
             for name, c, t in self.per_class
         }
         return out
+
+
+@dataclasses.dataclass
+class RunClock:
+    """A run's clocks: the samples and seconds of its training epochs, and its wall time.
+
+    Both loops (dp and ddp) count alike, so the report's samples/s means the same for both:
+    training samples over training seconds (evaluation and checkpoints not counted).
+    """
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    samples: int = 0
+    seconds: float = 0.0
+
+    def add(self, samples: int, seconds: float) -> None:
+        """Count one training epoch."""
+        self.samples += samples
+        self.seconds += seconds
+
+
+def train_result(
+    data: DemoData,
+    strategy: str,
+    devices: list[str],
+    hyper: tuple[int, int],
+    history: list[EpochStats],
+    scores: tuple[float, list[tuple[str, int, int]]],
+    clock: RunClock,
+    last: tuple[str, dict[str, Any] | None],
+) -> TrainResult:
+    """The figures of a run: ``hyper`` is ``(epochs, batch_size)``, ``scores`` the test
+    accuracy and per-class counts, ``last`` the last step's text and record."""
+    speed = clock.samples / clock.seconds if clock.seconds else 0.0
+    wall = time.perf_counter() - clock.start
+    return TrainResult(data.spec, strategy, devices, *hyper, history, *scores, speed, wall, *last)
 
 
 def resolve_hyper(data: DemoData, opts: TrainOptions) -> tuple[int, int, float]:

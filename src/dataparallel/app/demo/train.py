@@ -18,6 +18,7 @@ it had never stopped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -28,18 +29,18 @@ import torch
 from torch import nn
 
 from dataparallel.app.demo.checkpoint import (
-    checkpoint_message,
     checkpoint_state,
+    end_epoch,
     load_checkpoint,
     resume,
     run_config,
-    save_checkpoint,
 )
 from dataparallel.app.demo.data import DemoData
 from dataparallel.app.demo.ddp import ddp_train
 from dataparallel.app.demo.models import build_model
 from dataparallel.app.demo.options import (
     EpochStats,
+    RunClock,
     TrainOptions,
     TrainResult,
     UsageError,
@@ -47,11 +48,11 @@ from dataparallel.app.demo.options import (
     check_outputs,
     load_data,
     resolve_hyper,
+    train_result,
 )
 from dataparallel.app.demo.report import (
     format_report,
     per_class,
-    print_epoch,
     progress_bar,
     require_matplotlib,
     write_json,
@@ -165,8 +166,7 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
         return model(x).argmax(dim=1).cpu()
 
     n = len(data.train_y)
-    wall = time.perf_counter()
-    trained, train_time = 0, 0.0
+    clock = RunClock()
     last_step, last_call = "no training step ran in this run", None
     for epoch in range(start_epoch, epochs):
         net.train()
@@ -191,35 +191,25 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
                 bar.update(len(idx))
                 bar.set_postfix(loss=f"{value:.4f}")  # tqdm shows samples/s itself
         seconds = time.perf_counter() - t0
-        trained, train_time = trained + n, train_time + seconds
+        clock.add(n, seconds)
         call = model.last_call
         last_step = str(call) if call is not None else "(DataParallel kept no record)"
         last_call = _last_call_dict(call)
         accuracy, _ = _evaluate(net, predict, data, batch_size, opts.trace)
         stats = EpochStats(epoch + 1, loss_sum / n, accuracy, n / seconds, seconds)
         history.append(stats)
-        if opts.checkpoint:  # written before the epoch's line, so the line means it is kept
-            save_checkpoint(
-                opts.checkpoint, checkpoint_state(epoch + 1, net, optimizer, history, config)
-            )
-        print_epoch(stats, epochs, out)
-        if opts.checkpoint and epoch == start_epoch:  # where it wrote, once (rewritten each epoch)
-            print(checkpoint_message(opts.checkpoint, epoch + 1), file=out, flush=True)
-    accuracy, classes = _evaluate(net, predict, data, batch_size, opts.trace)
-    return TrainResult(
-        data=data.spec,
-        strategy="dp",
-        devices=[str(d) for d in devices],
-        epochs=epochs,
-        batch_size=batch_size,
-        history=history,
-        test_accuracy=accuracy,
-        per_class=classes,
-        samples_per_second=trained / train_time if train_time else 0.0,
-        wall_seconds=time.perf_counter() - wall,
-        last_step=last_step,
-        last_call=last_call,
-    )
+        end_epoch(
+            stats,
+            epochs,
+            out,
+            opts.checkpoint,
+            functools.partial(checkpoint_state, epoch + 1, net, optimizer, history, config),
+            first=epoch == start_epoch,
+        )
+    scores = _evaluate(net, predict, data, batch_size, opts.trace)
+    hyper = (epochs, batch_size)
+    names = [str(d) for d in devices]
+    return train_result(data, "dp", names, hyper, history, scores, clock, (last_step, last_call))
 
 
 def _evaluate(
