@@ -9,7 +9,7 @@ promises for it, in one of three kinds:
 - ``HANDLED``: the call does the right thing, checked against the single-device result or the
   input itself (nothing lost, nothing duplicated, types and attributes kept).
 
-The command line's cases live in ``tests/test_cli.py`` and its neighbours.
+The command line's cases live in ``tests/app/test_cli.py`` and its neighbours.
 """
 
 from __future__ import annotations

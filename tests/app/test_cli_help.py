@@ -261,6 +261,6 @@ def test_bench_durations_in_help_are_the_readmes(capsys: pytest.CaptureFixture[s
     text = " ".join(_help(["bench"], capsys).split())
     assert f"the full set, {BENCH_FULL_TIME}" in text
     assert f"the quick set, {BENCH_QUICK_TIME}" in text
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert f"`make bench` (the full set, {BENCH_FULL_TIME}," in readme
     assert f"`.venv/bin/dataparallel bench` (the quick set, {BENCH_QUICK_TIME})" in readme

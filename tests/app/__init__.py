@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.app``: the command line, its launcher and the demo."""

@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.app.demo``."""
