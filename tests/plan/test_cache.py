@@ -200,7 +200,7 @@ def test_a_reused_plan_of_containers_equals_a_fresh_one(
         cache.get(*first, resolved, 0, options)
         reused = cache.get(*second, resolved, 0, options)
         fresh = build_plan(*second, resolved, 0, **options)
-    assert len(cache.plans) == 1 and reused.entry_records is None  # served by the cache
+    assert len(cache.plans) == 1 and reused.leaf_rules is None  # served by the cache
     assert (reused.slices, reused.waves, reused.warnings, reused.votes) == (
         fresh.slices,
         fresh.waves,
@@ -366,7 +366,7 @@ def test_a_reused_plan_equals_a_fresh_one_for_any_batch(case: Case) -> None:
     _bump((args, kwargs))
     reused = cache.get(args, kwargs, devices, 0, case.opts)
     fresh = build_plan(args, kwargs, devices, 0, **case.opts)
-    assert first.entry_records is not None and reused.entry_records is None  # a cache hit
+    assert first.leaf_rules is not None and reused.leaf_rules is None  # a cache hit
     assert (reused.slices, reused.waves, reused.warnings, reused.votes) == (
         fresh.slices,
         fresh.waves,

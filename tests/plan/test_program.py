@@ -42,7 +42,7 @@ def test_a_template_keeps_no_argument_and_binds_to_another_call() -> None:
     plan = build_plan(args, kwargs, CPU2)
     template = plan.template(lambda a, k: build_plan(a, k, CPU2))
     assert template.inputs is None and template.kwargs is None
-    assert template.entry_records is None
+    assert template.leaf_rules is None
     ref = weakref.ref(args[0]["x"])  # type: ignore[index]
     del args, kwargs, plan
     gc.collect()

@@ -189,7 +189,7 @@ class Plan:
     devices: list[torch.device]
     chunk_sizes: list[int]
     # (path, rule, why, value) per leaf; None in a plan reused from the cache (see ``remake``)
-    entry_records: list[tuple[str, str, str, Any]] | None
+    leaf_rules: list[tuple[str, str, str, Any]] | None
     votes: list[Vote]
     waves: list[list[int]]
     decided_by: str
@@ -214,9 +214,9 @@ class Plan:
         """One ``Entry`` per leaf, formatted on first use (the hot path never reads them)."""
         cached: list[Entry] | None = self.__dict__.get("_entries")
         if cached is None:
-            records = self.entry_records
+            records = self.leaf_rules
             if records is None and self.remake is not None:
-                records = self.remake(self.inputs, self.kwargs or {}).entry_records
+                records = self.remake(self.inputs, self.kwargs or {}).leaf_rules
             chunks = [chunk for wave in self.slices for chunk in wave]
             cached = [
                 Entry(path, rule, why, *row_text(self, rule, value, chunks))
@@ -238,7 +238,7 @@ class Plan:
         (it must not keep a batch alive). ``remake(inputs, kwargs)`` plans a call afresh, for
         the rows of a plan bound to it."""
         new = self.bind(None, None)  # type: ignore[arg-type]
-        new.entry_records, new.remake = None, remake
+        new.leaf_rules, new.remake = None, remake
         new.__dict__.pop("_entries", None)
         return new
 

@@ -545,7 +545,7 @@ def build_plan(
         batch_size=batch,
         devices=[devices[i] for i in used],
         chunk_sizes=[totals[i] for i in used],
-        entry_records=compiler.entries,
+        leaf_rules=compiler.entries,
         votes=collector.votes,
         waves=[[s for s in wave if s] for wave in waves] if batch else [[0]],
         device_sizes=waves,
