@@ -19,17 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataparallel._tree import (
-    MAX_DEPTH,
-    TooDeep,
-    container_kind,
-    map_tensors,
-    rebuild,
-    struct_items,
-)
+from dataparallel._tree import leaves, map_leaves, map_tensors
 from dataparallel.markers import Shared, Split
 
-__all__ = ["has_to", "move_item"]
+__all__ = ["contains_record", "has_to", "move_item"]
 
 _NEVER = (torch.Tensor, np.ndarray, nn.Module, list, tuple, str, bytes, Shared, Split, type)
 
@@ -44,20 +37,13 @@ def has_to(obj: Any) -> bool:
     return not isinstance(obj, _NEVER) and callable(getattr(type(obj), "to", None))
 
 
-def contains_record(obj: Any, _depth: int = 0) -> bool:
+def contains_record(obj: Any) -> bool:
     """Whether ``obj`` is, or holds in nested containers, a record with ``.to``.
 
     Raises:
         TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
     """
-    if _depth > MAX_DEPTH:
-        raise TooDeep
-    if has_to(obj):
-        return True
-    kind = container_kind(obj)
-    if kind is None:
-        return False
-    return any(contains_record(v, _depth + 1) for v in struct_items(obj, kind)[1])
+    return any(has_to(leaf) for leaf in leaves(obj, is_leaf=has_to))
 
 
 def move_item(
@@ -65,21 +51,16 @@ def move_item(
     fn: Callable[[torch.Tensor], torch.Tensor],
     shared_fn: Callable[[torch.Tensor], torch.Tensor],
     device: torch.device,
-    _depth: int = 0,
 ) -> Any:
     """One per-sample item on ``device``: records by their own ``.to``, tensors by ``fn``.
 
     Raises:
         TooDeep: containers nested more than ``MAX_DEPTH`` levels, or a cycle.
     """
-    if _depth > MAX_DEPTH:
-        raise TooDeep
-    if has_to(obj):
-        return copy.copy(obj).to(device)
-    kind = container_kind(obj)
-    if kind is None:
-        return map_tensors(obj, fn, shared_fn)  # a tensor, a marker or a plain leaf
-    keys, values = struct_items(obj, kind)
-    return rebuild(
-        kind, obj, keys, [move_item(v, fn, shared_fn, device, _depth + 1) for v in values]
-    )
+
+    def move(leaf: Any) -> Any:
+        if has_to(leaf):
+            return copy.copy(leaf).to(device)
+        return map_tensors(leaf, fn, shared_fn)  # a tensor, a marker or a plain leaf
+
+    return map_leaves(move, obj, is_leaf=has_to)

@@ -1,51 +1,44 @@
-"""What kind of value a replica's output is, and how to move or rebuild one: gather's vocabulary.
+"""Gather's own helpers: paths for messages, moving one output, equality and sums.
 
-``gather`` dispatches once per value on its class: :func:`kind_of` classifies a class once and
-caches it. The rebuild helpers make a container of the gathered items with the type of the
-first replica's container (namedtuples, list and dict subclasses, dataclasses, model-output
-classes), and :func:`to_target` moves a single replica's output to the target device,
-reusing every container whose contents did not move.
+The kinds of values and the rebuild functions are :mod:`dataparallel._tree`'s, shared with the
+batch rules. What is gather's alone lives here: the chain of keys that names an output
+(``output['attn']``), formatted only when a message needs it; :func:`to_target`, which moves a
+single replica's output to the target device, reusing every container whose contents did not
+move; :func:`rebuild_at`, a rebuild whose error names the output path; and the equality checks
+and sums of the README's gather rules.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import numbers
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from dataparallel._packed import is_packed
-from dataparallel._tree import rebuild_mapping, rebuild_sequence
+from dataparallel._tree import (
+    DATACLASS,
+    LIST,
+    MAPPING,
+    NAMEDTUPLE,
+    RECORD,
+    TENSOR,
+    TUPLE,
+    fields_of,
+    kind_of,
+    rebuild_mapping,
+    rebuild_record,
+    rebuild_sequence,
+)
 
 __all__ = [
-    "ARRAY",
     "ATOMS",
-    "BOOL",
-    "DATACLASS",
-    "LIST",
-    "MAPPING",
-    "NAMEDTUPLE",
-    "NONE",
-    "NUMBER",
-    "OTHER",
-    "RECORD",
-    "STRUCTURES",
-    "TENSOR",
-    "TUPLE",
     "Path",
     "all_equal",
     "arrays_equal",
-    "cannot_rebuild",
-    "fields_of",
     "fmt",
-    "kind_of",
-    "rebuild_dataclass",
-    "rebuild_mapping_like",
-    "rebuild_seq",
+    "rebuild_at",
     "sum_all",
     "to_target",
 ]
@@ -54,61 +47,13 @@ __all__ = [
 # for a message, so the walk pays nothing for it.
 Path = Any
 
-# Kinds of values: a class is classified once, then found with one dict lookup.
-NONE, TENSOR, ARRAY, BOOL, NUMBER, LIST, TUPLE, NAMEDTUPLE = range(8)
-MAPPING, DATACLASS, RECORD, OTHER = range(8, 12)
-STRUCTURES = frozenset((LIST, TUPLE, NAMEDTUPLE, MAPPING, DATACLASS, RECORD))
 # Exact types that hold no tensor and never move: per-sample lists of them (names, ids) are
 # checked and concatenated at C speed. Subclasses take the full walk.
 ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
-_KINDS: dict[type, int] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_MAX_CACHED = 4096  # classes made on the fly (a namedtuple per call) must not grow it forever
-
-
-def classify(cls: type) -> int:
-    if cls is type(None):
-        return NONE
-    if issubclass(cls, torch.Tensor):
-        return TENSOR
-    if issubclass(cls, np.ndarray):
-        return ARRAY
-    if issubclass(cls, (bool, np.bool_)):
-        return BOOL
-    if issubclass(cls, numbers.Complex):  # int, float, complex, Fraction, numpy numbers
-        return NUMBER
-    if issubclass(cls, torch.Size):  # a shape is a value, not a tuple of numbers to average
-        return OTHER
-    if issubclass(cls, list):
-        return LIST
-    if issubclass(cls, tuple):
-        return NAMEDTUPLE if hasattr(cls, "_fields") else TUPLE
-    is_dataclass = dataclasses.is_dataclass(cls)
-    if issubclass(cls, Mapping):
-        return RECORD if is_dataclass else MAPPING
-    return DATACLASS if is_dataclass else OTHER
-
-
-def kind_of(obj: Any) -> int:
-    cls = type(obj)
-    kind = _KINDS.get(cls)
-    if kind is None:
-        if len(_KINDS) >= _MAX_CACHED:
-            _KINDS.clear()
-        kind = _KINDS[cls] = classify(cls)
-    return kind
-
-
-def fields_of(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        if len(_FIELDS) >= _MAX_CACHED:
-            _FIELDS.clear()
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
 
 
 def fmt(path: Path) -> str:
+    """The path as the messages print it: ``output['attn'][0]``, ``output.logits``."""
     parts: list[str] = []
     while path is not None:
         path, accessor, key = path
@@ -127,7 +72,7 @@ def to_target(obj: Any, target: torch.device, path: Path) -> Any:
         items = [to_target(item, target, path) for item in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
-        return rebuild_seq(obj, items, path)
+        return rebuild_at(path, rebuild_sequence, obj, items)
     if kind in (MAPPING, RECORD):
         data = {k: to_target(v, target, path) for k, v in obj.items()}
         names = [n for n in fields_of(type(obj)) if n not in data] if kind == RECORD else []
@@ -137,76 +82,28 @@ def to_target(obj: Any, target: torch.device, path: Path) -> Any:
         ):
             return obj
         if kind == RECORD:
-            return rebuild_dataclass(obj, extra, data, path)
-        return rebuild_mapping_like(obj, data, path)
+            return rebuild_at(path, rebuild_record, obj, extra, data)
+        return rebuild_at(path, rebuild_mapping, obj, data)
     if kind == DATACLASS:
         fields = [(n, getattr(obj, n)) for n in fields_of(type(obj))]
         moved = [(n, to_target(v, target, path)) for n, v in fields]
         if all(a[1] is b[1] for a, b in zip(fields, moved, strict=True)):
             return obj
-        return rebuild_dataclass(obj, moved)
+        return rebuild_at(path, rebuild_record, obj, moved)
     return obj
 
 
-def cannot_rebuild(first: Any, path: Path, exc: Exception) -> TypeError:
-    return TypeError(
-        f"{fmt(path)}: cannot rebuild a {type(first).__name__} from the gathered items "
-        f"({exc}); expected a class that accepts its items like its base class does. Return a "
-        f"plain list, tuple or dict, or use gather=False"
-    )
-
-
-def rebuild_seq(first: Any, items: list[Any], path: Path) -> Any:
-    cls = type(first)
-    if cls is list or cls is tuple:
-        return items if cls is list else tuple(items)
-    try:  # a namedtuple takes its fields positionally; other subclasses keep their attributes
-        if hasattr(cls, "_fields"):
-            try:
-                return cls(*items)
-            except TypeError:  # its own __new__: built as _make does
-                pass
-        return rebuild_sequence(first, items)
-    except Exception as exc:
-        raise cannot_rebuild(first, path, exc) from exc
-
-
-def rebuild_mapping_like(first: Mapping[Any, Any], data: dict[Any, Any], path: Path) -> Any:
-    if type(first) is dict:
-        return data
+def rebuild_at(path: Path, build: Callable[..., Any], first: Any, *args: Any) -> Any:
+    """``build(first, *args)``, one of ``_tree``'s rebuild functions, with an error that names
+    the output path when the class refuses its gathered items."""
     try:
-        return rebuild_mapping(first, data)
+        return build(first, *args)
     except Exception as exc:
-        raise cannot_rebuild(first, path, exc) from exc
-
-
-def rebuild_dataclass(
-    first: Any,
-    fields: list[tuple[str, Any]],
-    items: dict[Any, Any] | None = None,
-    path: Path = None,
-) -> Any:
-    """A copy of ``first`` with new fields (and, for a model-output class, new items).
-
-    copy.copy skips __init__ (init=False fields, __post_init__); object.__setattr__ passes
-    frozen dataclasses.
-    """
-    out = copy.copy(first)
-    for name, value in fields:
-        object.__setattr__(out, name, value)
-    if items:
-        names = fields_of(type(first))
-        try:
-            for key, value in items.items():
-                if key in names:
-                    object.__setattr__(out, key, value)
-                if isinstance(out, dict):
-                    dict.__setitem__(out, key, value)  # past overrides such as ModelOutput's
-                else:
-                    out[key] = value
-        except Exception as exc:
-            raise cannot_rebuild(first, path, exc) from exc
-    return out
+        raise TypeError(
+            f"{fmt(path)}: cannot rebuild a {type(first).__name__} from the gathered items "
+            f"({exc}); expected a class that accepts its items like its base class does. "
+            f"Return a plain list, tuple or dict, or use gather=False"
+        ) from exc
 
 
 def arrays_equal(values: list[Any]) -> bool:

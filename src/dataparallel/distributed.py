@@ -22,16 +22,15 @@ import os
 import pickle
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from dataparallel._tree import container_kind, contains_array, struct_items
+from dataparallel._tree import contains_array, describe, leaves
 from dataparallel.devices import DeviceSpec, resolve_device
 from dataparallel.gather import first_batch_size, gather
 
@@ -192,22 +191,25 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def _group_or_env(name: str, read: Callable[[], int], default: int) -> int:
+    """The process group's value, else torchrun's variable ``name``, else ``default``.
+
+    ``read`` is a lambda, not ``dist.get_rank`` itself: torch built without distributed support
+    has no such attribute, and must still run as one process.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return read()
+    if name in os.environ:
+        return _env_int(name)
+    return default
+
+
 def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values, else the process group's, else torchrun's variables, else 0 of 1."""
     if world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size()
-        elif "WORLD_SIZE" in os.environ:
-            world_size = _env_int("WORLD_SIZE")
-        else:
-            world_size = 1
+        world_size = _group_or_env("WORLD_SIZE", lambda: dist.get_world_size(), 1)
     if rank is None:
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        elif "RANK" in os.environ:
-            rank = _env_int("RANK")
-        else:
-            rank = 0
+        rank = _group_or_env("RANK", lambda: dist.get_rank(), 0)
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
@@ -319,16 +321,11 @@ def _to_cpu_bytes(obj: Any) -> bytes:
 
 def _first_list_length(obj: Any) -> int | None:
     """The length of the first list inside ``obj``, depth first."""
-    if isinstance(obj, list):
-        return len(obj)
-    kind = container_kind(obj)
-    if kind is None:
-        return None
-    for child in struct_items(obj, kind)[1]:
-        found = _first_list_length(child)
-        if found is not None:
-            return found
-    return None
+    return next((len(o) for o in leaves(obj, is_leaf=_is_list) if _is_list(o)), None)
+
+
+def _is_list(obj: Any) -> bool:
+    return isinstance(obj, list)
 
 
 def _local_batch_size(obj: Any, dim: int) -> int | None:
@@ -338,34 +335,6 @@ def _local_batch_size(obj: Any, dim: int) -> int | None:
     if found is None and not contains_array(obj):
         found = _first_list_length(obj)
     return found
-
-
-def _describe(obj: Any, budget: int = 400) -> str:
-    """A short structural picture of ``obj`` for error messages: types, keys, shapes."""
-
-    def walk(o: Any) -> str:
-        if isinstance(o, torch.Tensor):
-            return f"Tensor{tuple(o.shape)}:{str(o.dtype).removeprefix('torch.')}"
-        if isinstance(o, np.ndarray):
-            return f"ndarray{o.shape}:{o.dtype}"
-        if isinstance(o, Mapping):
-            inner = ", ".join(f"{k!r}: {walk(v)}" for k, v in o.items())
-            return f"{type(o).__name__}({{{inner}}})" if type(o) is not dict else f"{{{inner}}}"
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            inner = ", ".join(f"{f.name}={walk(getattr(o, f.name))}" for f in dataclasses.fields(o))
-            return f"{type(o).__name__}({inner})"
-        if isinstance(o, (list, tuple)):
-            items = [walk(v) for v in o[:6]]
-            if len(o) > 6:
-                items.append(f"... {len(o)} items")
-            name = type(o).__name__
-            return f"{name}[{', '.join(items)}]"
-        if isinstance(o, (str, bytes)):
-            return type(o).__name__
-        return type(o).__name__
-
-    text = walk(obj)
-    return text if len(text) <= budget else text[: budget - 3] + "..."
 
 
 def gather_all(
@@ -439,7 +408,8 @@ def gather_all(
         )
     except ValueError as exc:
         pictures = "\n".join(
-            f"  rank {r} (batch {sizes[r]}): {_describe(out)}" for r, out in enumerate(outputs)
+            f"  rank {r} (batch {sizes[r]}): {describe(out, nested=True)}"
+            for r, out in enumerate(outputs)
         )
         raise ValueError(
             f"gather_all: the ranks' outputs do not fit together: {exc}\nper rank:\n{pictures}\n"

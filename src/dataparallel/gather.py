@@ -36,8 +36,17 @@ from dataparallel._output_rules import (
     warn_unmatched,
 )
 from dataparallel._outputs import (
-    ARRAY,
     ATOMS,
+    all_equal,
+    arrays_equal,
+    fmt,
+    rebuild_at,
+    sum_all,
+    to_target,
+)
+from dataparallel._packed import gather_packed, is_packed
+from dataparallel._tree import (
+    ARRAY,
     BOOL,
     DATACLASS,
     LIST,
@@ -47,21 +56,19 @@ from dataparallel._outputs import (
     NUMBER,
     OTHER,
     RECORD,
+    SHAPE,
     STRUCTURES,
     TENSOR,
     TUPLE,
-    all_equal,
-    arrays_equal,
+    Kind,
+    TooDeep,
     fields_of,
-    fmt,
     kind_of,
-    rebuild_dataclass,
-    rebuild_mapping_like,
-    rebuild_seq,
-    sum_all,
-    to_target,
+    leaves,
+    rebuild_mapping,
+    rebuild_record,
+    rebuild_sequence,
 )
-from dataparallel._packed import gather_packed, is_packed
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
@@ -212,7 +219,7 @@ def gather(
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
         return out
-    except RecursionError:
+    except (RecursionError, TooDeep):
         pass  # raised below, outside the handler, so the message is not chained to it
     raise ValueError(
         "outputs: nested deeper than Python's recursion limit, or a container that contains "
@@ -251,20 +258,10 @@ def concat_batched(
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
     """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
-    kind = kind_of(obj)
-    if kind in (TENSOR, ARRAY):
-        return int(obj.shape[dim]) if -obj.ndim <= dim < obj.ndim else None
-    children: Iterable[Any] = ()
-    if kind in (LIST, TUPLE, NAMEDTUPLE):
-        children = obj
-    elif kind in (MAPPING, RECORD):
-        children = obj.values()
-    elif kind == DATACLASS:
-        children = (getattr(obj, name) for name in fields_of(type(obj)))
-    for child in children:
-        size = first_batch_size(child, dim)
-        if size is not None:
-            return size
+    for leaf in leaves(obj):
+        kind = kind_of(leaf)
+        if kind in (TENSOR, ARRAY) and -leaf.ndim <= dim < leaf.ndim:
+            return int(leaf.shape[dim])
     return None
 
 
@@ -478,7 +475,7 @@ def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
 
 def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     kinds = [kind_of(v) for v in values]
-    if all(k in (NONE, OTHER) for k in kinds):
+    if all(k in (NONE, SHAPE, OTHER) for k in kinds):
         return _gather_others(values, path, ctx)
     if all(
         k in (NUMBER, BOOL) or (k in (TENSOR, ARRAY) and v.ndim == 0)
@@ -506,7 +503,7 @@ def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if any(len(v) != n for v in values):
         return _concat_lists(values, path, ctx)
     items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
-    return rebuild_seq(first, items, path)
+    return rebuild_at(path, rebuild_sequence, first, items)
 
 
 def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
@@ -544,7 +541,7 @@ def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             items.extend([t if t.device == target else t.to(target) for t in value])
         else:
             items.extend([to_target(item, target, path) for item in value])
-    return rebuild_seq(values[0], items, path)
+    return rebuild_at(path, rebuild_sequence, values[0], items)
 
 
 def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -560,7 +557,7 @@ def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)
         for i in range(n)
     ]
-    return rebuild_seq(first, items, path)
+    return rebuild_at(path, rebuild_sequence, first, items)
 
 
 def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -571,9 +568,9 @@ def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         raise _mismatch(path, "keys", [list(v.keys()) for v in values])
     data = {k: _gather([v[k] for v in values], (path, "[", k), ctx) for k in keys}
     if not dataclasses.is_dataclass(first):
-        return rebuild_mapping_like(first, data, path)
+        return rebuild_at(path, rebuild_mapping, first, data)
     extra = _gather_fields(values, path, ctx, [n for n in fields_of(type(first)) if n not in data])
-    return rebuild_dataclass(first, extra, data, path)
+    return rebuild_at(path, rebuild_record, first, extra, data)
 
 
 def _gather_fields(
@@ -584,22 +581,22 @@ def _gather_fields(
 
 def _gather_dataclasses(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 5 for dataclasses (frozen ones and init=False fields included)."""
-    return rebuild_dataclass(
-        values[0], _gather_fields(values, path, ctx, fields_of(type(values[0])))
-    )
+    fields = _gather_fields(values, path, ctx, fields_of(type(values[0])))
+    return rebuild_at(path, rebuild_record, values[0], fields)
 
 
-_HANDLERS: tuple[Callable[[list[Any], _Path, _Ctx], Any], ...] = (
-    _gather_others,  # NONE
-    _gather_arrays,  # TENSOR
-    _gather_arrays,  # ARRAY
-    _gather_scalars,  # BOOL
-    _gather_scalars,  # NUMBER
-    _gather_lists,  # LIST
-    _gather_tuples,  # TUPLE
-    _gather_tuples,  # NAMEDTUPLE
-    _gather_mappings,  # MAPPING
-    _gather_dataclasses,  # DATACLASS
-    _gather_mappings,  # RECORD
-    _gather_others,  # OTHER
-)
+_HANDLERS: dict[Kind, Callable[[list[Any], _Path, _Ctx], Any]] = {
+    NONE: _gather_others,
+    TENSOR: _gather_arrays,
+    ARRAY: _gather_arrays,
+    BOOL: _gather_scalars,
+    NUMBER: _gather_scalars,
+    SHAPE: _gather_others,  # a shape is a value, not a tuple of numbers to average
+    LIST: _gather_lists,
+    TUPLE: _gather_tuples,
+    NAMEDTUPLE: _gather_tuples,
+    MAPPING: _gather_mappings,
+    DATACLASS: _gather_dataclasses,
+    RECORD: _gather_mappings,
+    OTHER: _gather_others,
+}
