@@ -538,8 +538,9 @@ def describe(obj: Any, /, *, nested: bool = False, budget: int = 400) -> str:
         name = type(obj).__name__
         if not obj:
             return f"{name}[0]"
+        # the item types found at C speed (a per-sample list may hold thousands of items)
         kinds = sorted(
-            {type(x).__name__ if not isinstance(x, torch.Tensor) else "Tensor" for x in obj}
+            {"Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))}
         )
         return f"{name}[{len(obj)}] of {'/'.join(kinds)}"
     if isinstance(obj, Mapping):

@@ -47,7 +47,7 @@ class Planned(Protocol):
     def entries(self) -> list[Any]: ...
 
 
-__all__ = ["describe_leaf", "format_plan", "row_text", "voters_phrase", "warning_text"]
+__all__ = ["format_plan", "row_text", "voters_phrase", "warning_text"]
 
 # Exact types that hold no tensor or ndarray.
 _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
@@ -58,17 +58,7 @@ def row_text(
 ) -> tuple[str, str, str]:
     """``(what, to, receives)`` of one leaf's row: what it is, where its tensors go and what
     each device gets."""
-    return (describe_leaf(value), *_receives(p, rule, value, chunks))
-
-
-def describe_leaf(obj: Any) -> str:
-    """``describe(obj)``, with the item types of a long list or tuple found at C speed."""
-    if type(obj) in (list, tuple) and len(obj) > 8:
-        names = {
-            "Tensor" if issubclass(t, torch.Tensor) else t.__name__ for t in set(map(type, obj))
-        }
-        return f"{type(obj).__name__}[{len(obj)}] of {'/'.join(sorted(names))}"
-    return describe(obj)
+    return (describe(value), *_receives(p, rule, value, chunks))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -137,7 +127,7 @@ def _receives(
             ]
         )
         lengths = _joined([str(length) for _, _, length in chunks])
-        kinds = describe_leaf(inner).partition(" of ")[2]
+        kinds = describe(inner).partition(" of ")[2]
         text = f"{type(inner).__name__}[{lengths}] of {kinds}: items {ranges}"
         has, has_float = _tensors_in(inner)
         if not has:
@@ -159,7 +149,7 @@ def _receives(
         return "not moved (ndarray)", "the same ndarray"
     has, has_float = _tensors_in(inner)
     if has:
-        text = f"the whole {describe_leaf(inner)}, tensors moved"
+        text = f"the whole {describe(inner)}, tensors moved"
         if cast and p.dtype is not None and has_float:
             text += f", float ones cast to {_dtype_name(p.dtype)}"
         return devices, text
