@@ -73,7 +73,7 @@ from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 
-__all__ = ["ScalarMode", "concat_batched", "first_batch_size", "gather", "gather_one"]
+__all__ = ["ScalarMode", "first_batch_size", "gather", "gather_outputs"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
 _SCALAR_MODES = ("mean", "sum", "stack")
@@ -202,44 +202,90 @@ def gather(
     target = resolve_target(target_device)
     sizes = None if chunk_sizes is None else check_gather_sizes(chunk_sizes, len(values))
     rules = check_output_rules(output_rules)
+    if len(values) == 1 and scalars != "stack" and not rules:
+        # One replica: every rule gives its output back, tensors moved. "stack" still turns
+        # scalars into vectors, so it takes the full walk.
+        return _move_one(values[0], target)
+    return _walk(values, target, dim, sizes, scalars, scalar_weights, rules, module)
+
+
+def gather_outputs(
+    outputs: list[Any],
+    target: torch.device,
+    dim: int,
+    sizes: Sequence[int] | None,
+    *,
+    scalars: ScalarMode,
+    scalar_weights: Sequence[float] | None = None,
+    output_rules: Mapping[str, int | str] | None = None,
+    module: nn.Module | None = None,
+) -> Any:
+    """The pipeline's gather: ``gather`` for arguments ``DataParallel`` checked once, at
+    construction, with the cheapest rule that applies chosen here rather than by the caller.
+
+    One replica's output comes back as the module gave it on one device (tensors moved to
+    ``target``); outputs that are all plain tensors batched along ``dim`` are concatenated
+    (rule 1); anything else takes the rules' walk. ``sizes`` is ``None`` when a ``scatter``
+    override chose the chunks (read from the outputs then).
+    """
+    if len(outputs) == 1 and scalars != "stack":
+        return _move_one(outputs[0], target)
+    if sizes is not None and not output_rules:
+        out = _concat_batched(outputs, target, dim, sizes)
+        if out is not None:
+            return out
+    return _walk(outputs, target, dim, sizes, scalars, scalar_weights, output_rules, module)
+
+
+def _walk(
+    values: list[Any],
+    target: torch.device,
+    dim: int,
+    sizes: Sequence[int] | None,
+    scalars: ScalarMode,
+    scalar_weights: Sequence[float] | None,
+    rules: Mapping[str, int | str] | None,
+    module: nn.Module | None,
+) -> Any:
+    """The gather rules, walked over the replicas' outputs together."""
     try:
-        if len(values) == 1 and scalars != "stack" and not rules:
-            # One replica: every rule gives its output back, tensors moved. "stack" still turns
-            # scalars into vectors, so it takes the full walk.
-            return to_target(values[0], target, None)
         if sizes is None:
             found = [first_batch_size(v, dim) for v in values]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
         weights = (
             None if scalar_weights is None else check_scalar_weights(scalar_weights, len(values))
         )
-        ctx = _Context(target, dim, sizes, scalars, len(values), weights)
-        ctx.module, ctx.rules = module, rules or None
+        ctx = _Context(
+            target, dim, None if sizes is None else tuple(sizes), scalars, len(values), weights
+        )
+        ctx.module, ctx.rules = module, dict(rules) if rules else None
         out = _gather(values, None, ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
         return out
     except (RecursionError, TooDeep):
         pass  # raised below, outside the handler, so the message is not chained to it
-    raise ValueError(
+    raise _too_deep()
+
+
+def _too_deep() -> ValueError:
+    return ValueError(
         "outputs: nested deeper than Python's recursion limit, or a container that contains "
         "itself, expected a tree of tuples, lists, dicts and dataclasses; return a flatter "
         "output, or use gather=False"
     )
 
 
-def gather_one(output: Any, target: torch.device) -> Any:
-    """``gather([output], target)`` for arguments already checked (``DataParallel`` checked
-    them at construction), without ``"stack"``: one replica's output with its tensors moved
-    to ``target`` (itself when nothing moves)."""
+def _move_one(output: Any, target: torch.device) -> Any:
+    """One replica's output with its tensors moved to ``target`` (itself when nothing moves)."""
     try:
         return to_target(output, target, None)
-    except RecursionError:
+    except (RecursionError, TooDeep):
         pass
-    return gather([output], target)  # raises the error that names the problem
+    raise _too_deep()
 
 
-def concat_batched(
+def _concat_batched(
     outputs: Sequence[Any], target: torch.device, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor | None:
     """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor

@@ -25,10 +25,9 @@ from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
     ScalarMode,
-    concat_batched,
     first_batch_size,
     gather,
-    gather_one,
+    gather_outputs,
 )
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
@@ -320,21 +319,14 @@ class DataParallel(nn.DataParallel):
             return DeviceOutputs(outputs, devices, sizes)
         if steps.gather:
             return self.gather(outputs, self.output_device)
-        if len(outputs) == 1 and self.scalars != "stack":
-            return gather_one(outputs[0], self.output_device)
-        rules = self.__dict__.get("output_rules")  # (a wrapper unpickled from before has none)
-        if not steps.scatter and not rules:
-            out = concat_batched(outputs, self.output_device, self.dim, sizes)
-            if out is not None:
-                return out
-        return gather(
+        return gather_outputs(
             outputs,
             self.output_device,
             self.dim,
-            chunk_sizes=None if steps.scatter else sizes,  # an override chose the chunks
+            None if steps.scatter else sizes,  # an override chose the chunks: read them
             scalars=self.scalars,
             scalar_weights=weights or None,
-            output_rules=rules,
+            output_rules=self.__dict__.get("output_rules"),  # (unpickled from before: none)
             module=self.module,
         )
 
