@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataparallel.criterion import DataParallelCriterion
 from dataparallel.devices import resolve_devices
 from dataparallel.distributed import (
     DistInfo,
@@ -26,7 +27,6 @@ from dataparallel.scatter import scatter, scatter_kwargs
 from dataparallel.wrapper import (
     CallStats,
     DataParallel,
-    DataParallelCriterion,
     DeviceOutputs,
     data_parallel,
 )

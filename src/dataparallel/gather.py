@@ -14,10 +14,9 @@ tensors to the target device and rebuilds only containers whose contents moved.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -32,7 +31,6 @@ from dataparallel._checks import (
 from dataparallel._output_rules import (
     check_output_rules,
     rnn_state_shapes,
-    warn_even_count,
     warn_unmatched,
 )
 from dataparallel._outputs import (
@@ -45,6 +43,7 @@ from dataparallel._outputs import (
     to_target,
 )
 from dataparallel._packed import gather_packed, is_packed
+from dataparallel._scalars import gather_scalars
 from dataparallel._tree import (
     ARRAY,
     BOOL,
@@ -73,7 +72,7 @@ from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 
-__all__ = ["ScalarMode", "first_batch_size", "gather", "gather_outputs"]
+__all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
 _SCALAR_MODES = ("mean", "sum", "stack")
@@ -132,6 +131,16 @@ class _Context:
         return self.states
 
 
+def check_scalars(scalars: str) -> ScalarMode:
+    """``scalars`` as a ``ScalarMode``, or a ValueError that says which to use when."""
+    if scalars not in _SCALAR_MODES:
+        raise ValueError(
+            f"scalars: expected one of {_SCALAR_MODES!r}, got {scalars!r}; use 'mean' for "
+            f"mean-reduced losses, 'sum' for sums and counts, 'stack' for torch's vector"
+        )
+    return cast(ScalarMode, scalars)
+
+
 def gather(
     outputs: Sequence[Any],
     target_device: DeviceSpec | None,
@@ -181,11 +190,7 @@ def gather(
     >>> out["y"].shape, out["loss"], out["n"]
     (torch.Size([3, 3]), tensor(2.), 10)
     """
-    if scalars not in _SCALAR_MODES:
-        raise ValueError(
-            f"scalars: expected one of {_SCALAR_MODES!r}, got {scalars!r}; use 'mean' for "
-            f"mean-reduced losses, 'sum' for sums and counts, 'stack' for torch's vector"
-        )
+    scalars = check_scalars(scalars)
     if isinstance(outputs, (str, bytes, Mapping, torch.Tensor, np.ndarray)) or not isinstance(
         outputs, Sequence
     ):
@@ -334,7 +339,7 @@ def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
 def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rules 1 and 3 for tensors and ndarrays (0-dim ones are scalars, rule 2)."""
     if all(v.ndim == 0 for v in values):
-        return _gather_scalars(values, path, ctx)
+        return gather_scalars(values, path, ctx)
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         values = [v.to(ctx.target) for v in values]
@@ -417,52 +422,6 @@ def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     )
 
 
-def _gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 2: numbers, numpy numbers, 0-dim tensors and ndarrays; booleans apart."""
-    target = ctx.target
-    if all(_is_bool(v) for v in values):  # never averaged: once if equal, else a list
-        values = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
-        return values[0] if all(bool(v) == bool(values[0]) for v in values) else values
-    if ctx.scalars == "stack":
-        return torch.stack([torch.as_tensor(v, device=target) for v in values])
-    if any(isinstance(v, torch.Tensor) for v in values):
-        # as_tensor moves a tensor like .to (differentiably) and makes one of a number
-        tensors = [torch.as_tensor(v, device=target) for v in values]
-        counts = not any(t.is_floating_point() or t.is_complex() for t in tensors)
-        if counts and ctx.scalars != "sum" and all(v is values[0] for v in values):
-            return tensors[0]  # one object on every replica: an input or buffer passed through
-        if ctx.scalars == "sum" or counts:
-            # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
-            # predictions): a count, summed even where the replicas agree, as one device's.
-            return sum_all(tensors)
-        return _tensor_mean(tensors, ctx)
-    plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
-    if ctx.scalars == "sum":
-        return sum_all(plain)
-    if all(isinstance(v, numbers.Integral) for v in plain):
-        return _gather_ints(values, plain, path, ctx)
-    if all_equal(plain):
-        return values[0]  # a constant keeps its type
-    return sum_all([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
-
-
-def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Python and numpy integers under ``"mean"``: each replica's chunk size is a count of
-    samples (``int(x.shape[0])``), summed; integers equal on every replica otherwise are a
-    constant (``num_classes``), kept with their type; integers that differ are counts, summed.
-    On an even split a constant equal to the chunk size looks like a count: summed, with a
-    warning naming ``output_rules``."""
-    sizes = ctx.sizes
-    if sizes is not None and all(v == n for v, n in zip(plain, sizes, strict=True)):
-        total = sum_all(plain)
-        if len(set(sizes)) == 1:
-            warn_even_count(fmt(path), values[0], sizes[0], total)
-        return total
-    if all_equal(plain):
-        return values[0]
-    return sum_all(plain)
-
-
 def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> Any:
     """What ``output_rules`` says for one output, in place of the rules."""
     if rule == "list":
@@ -494,26 +453,6 @@ def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> An
     return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
 
 
-def _is_bool(value: Any) -> bool:
-    dtype = getattr(value, "dtype", None)  # bool tensors, bool ndarrays and np.bool_
-    return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
-
-
-def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
-    # Weights (not counts) multiply, so a float16 loss cannot overflow.
-    # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
-    mean = sum_all([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
-    if any(t.requires_grad for t in tensors):
-        return mean  # a loss: its gradient must be the weighted one, even where values agree
-    first = tensors[0]
-    if first.is_floating_point() or first.is_complex():
-        # Keep a constant bit for bit without a device sync: choose on the device.
-        same = torch.stack([t.to(first.dtype) for t in tensors]).eq(first).all()
-        return torch.where(same, first, mean)
-    # Integer outputs keep their dtype only when equal, which needs one look at the values.
-    return first if arrays_equal(tensors) else mean
-
-
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 6: once if equal on every replica, else one per replica."""
     return values[0] if all_equal(values) else list(values)
@@ -527,7 +466,7 @@ def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         k in (NUMBER, BOOL) or (k in (TENSOR, ARRAY) and v.ndim == 0)
         for k, v in zip(kinds, values, strict=True)
     ):
-        return _gather_scalars(values, path, ctx)  # e.g. a loss that is 0.0 on one replica
+        return gather_scalars(values, path, ctx)  # e.g. a loss that is 0.0 on one replica
     raise _mismatch(path, "type", [type(v).__name__ for v in values])
 
 
@@ -635,8 +574,8 @@ _HANDLERS: dict[Kind, Callable[[list[Any], _Path, _Ctx], Any]] = {
     NONE: _gather_others,
     TENSOR: _gather_arrays,
     ARRAY: _gather_arrays,
-    BOOL: _gather_scalars,
-    NUMBER: _gather_scalars,
+    BOOL: gather_scalars,
+    NUMBER: gather_scalars,
     SHAPE: _gather_others,  # a shape is a value, not a tuple of numbers to average
     LIST: _gather_lists,
     TUPLE: _gather_tuples,

@@ -1,4 +1,4 @@
-"""``DataParallel``, ``data_parallel`` and ``DataParallelCriterion``: the pipeline composed.
+"""``DataParallel`` and ``data_parallel``: the pipeline composed.
 
 ``DataParallel.forward`` reads as torch's: scatter, replicate, parallel_apply, gather, each an
 overridable method with torch's signature, so subclasses written for
@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from dataparallel._losses import ScalarWeights, SumAndCount, chunk_weights, combine, is_exact_mean
+from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
-    ScalarMode,
+    check_scalars,
     first_batch_size,
     gather,
     gather_outputs,
@@ -32,19 +32,11 @@ from dataparallel.gather import (
 from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan._cache import PlanCache
-from dataparallel.replicate import ReplicaSets, replicate
+from dataparallel.replicate import ReplicaSets
 from dataparallel.replicate._compiled import check_not_compiled
 from dataparallel.scatter import take
 
-__all__ = ["CallStats", "DataParallel", "DataParallelCriterion", "DeviceOutputs", "data_parallel"]
-
-_SCALARS = ("mean", "sum", "stack")
-
-
-def _check_scalars(scalars: str) -> ScalarMode:
-    if scalars not in _SCALARS:
-        raise ValueError(f"scalars: expected one of {list(_SCALARS)}, got {scalars!r}")
-    return cast(ScalarMode, scalars)
+__all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]
 
 
 class DataParallel(nn.DataParallel):
@@ -138,7 +130,7 @@ class DataParallel(nn.DataParallel):
         if batch_size is None:
             probe["batch_size"] = _probe_batch(chunk_sizes)
         build_plan((), None, self.device_ids, dim, **probe)
-        self.scalars = _check_scalars(scalars)
+        self.scalars = check_scalars(scalars)
         self.gather_outputs = gather
         if scalar_weights is not None and not callable(scalar_weights):
             raise TypeError(
@@ -526,112 +518,3 @@ def data_parallel(
     # One wrapper per call: the replicas live in dp.replicate's table, reused across calls.
     wrapper.__dict__["_replica_sets"] = ReplicaSets(shared=True)
     return wrapper(*args, **(module_kwargs or {}))
-
-
-class DataParallelCriterion(nn.Module):
-    """Compute a loss on each device from that device's outputs and targets.
-
-    Use it with a ``DataParallel(..., gather=False)`` model: the outputs stay where they were
-    computed, the targets are split with the same chunk sizes onto the same devices, and the
-    per-device losses come back as their chunk-weighted mean on the output device (for a
-    mean-reduced criterion this equals the single-device loss). A plain, gathered output is
-    passed to the criterion unchanged.
-
-    Args:
-        criterion: the loss module, e.g. ``nn.CrossEntropyLoss()``.
-        device_ids: as for ``DataParallel`` (used only to resolve ``output_device``).
-        output_device: where the loss lands; default the first output's device.
-        dim: the batch dimension of the targets.
-        scalars: ``"mean"`` for mean-reduced criteria, ``"sum"`` for sum-reduced ones;
-            ``None`` (default) reads the criterion's ``reduction`` on each call (``"sum"``
-            sums, else mean).
-
-    The criterion is used as it is on each call, not copied: a change made to it after
-    construction (``loss.label_smoothing = 0.1``, ``ignore_index``, ``reduction``, ``weight``,
-    or ``self.criterion = other``) applies from the next call on, as on one device.
-    """
-
-    def __init__(
-        self,
-        criterion: nn.Module | Callable[..., Any],
-        device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
-        output_device: DeviceSpec | None = None,
-        dim: int = 0,
-        *,
-        scalars: str | None = None,
-    ) -> None:
-        super().__init__()
-        if not callable(criterion):
-            raise TypeError(
-                f"criterion: expected a loss module such as nn.CrossEntropyLoss() or a loss "
-                f"function such as F.cross_entropy, got {type(criterion).__name__}; pass one"
-            )
-        self.criterion = criterion
-        self.device_ids = resolve_devices(device_ids)
-        self.output_device = (
-            None if output_device is None else target_device(output_device, where="output_device")
-        )
-        self.dim = dim
-        self._scalars: ScalarMode | None = None if scalars is None else _check_scalars(scalars)
-        # torch's mean-reduced losses: sum per device, divide once by the global count. One
-        # SumAndCount per criterion object, made on first use and kept (its replicas are
-        # cached with it); kept out of the module tree, so state_dict is the criterion's alone.
-        self.__dict__["_exact"] = None
-
-    @property
-    def scalars(self) -> ScalarMode:
-        """How per-device scalar losses combine: the ``scalars`` given, else read from the
-        criterion's ``reduction`` now (``"sum"`` sums, else ``"mean"``)."""
-        if self._scalars is not None:
-            return self._scalars
-        return "sum" if getattr(self.criterion, "reduction", None) == "sum" else "mean"
-
-    @scalars.setter
-    def scalars(self, value: str | None) -> None:
-        self._scalars = None if value is None else _check_scalars(value)
-
-    def _exact_runner(self) -> SumAndCount | None:
-        """The SumAndCount for the criterion as it is now, or None when its mean is not one
-        to take exactly (another reduction, a loss of the user's, ``scalars="sum"``)."""
-        criterion = self.criterion
-        if self.scalars != "mean" or not is_exact_mean(criterion):
-            return None
-        exact: SumAndCount | None = self.__dict__["_exact"]
-        if exact is None or exact.criterion is not criterion:
-            exact = self.__dict__["_exact"] = SumAndCount(criterion)
-        return exact
-
-    def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
-        """The loss of ``outputs`` against ``targets``, computed where the outputs are."""
-        if not isinstance(outputs, DeviceOutputs):
-            return self.criterion(outputs, *targets, **kwargs)
-        devices, sizes = outputs.devices, outputs.chunk_sizes
-        plan = build_plan(
-            targets,
-            kwargs,
-            devices,
-            self.dim,
-            # an empty batch (one chunk of 0) is decided by the targets' vote
-            batch_size=sum(sizes) or None,
-            chunk_sizes=sizes if sum(sizes) else None,
-            strict=True,
-        )
-        chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
-        args = [(out, *chunk_args) for out, (chunk_args, _) in zip(outputs, chunks, strict=True)]
-        chunk_kwargs = [k for _, k in chunks]
-        target = self.output_device or devices[0]
-        if len(outputs) == 1:
-            losses = [self.criterion(*args[0], **chunk_kwargs[0])]
-        else:
-            exact = self._exact_runner()
-            runner = exact or self.criterion
-            # A loss function has no state to copy: every device calls it as it is.
-            replicas: Any = (
-                replicate(runner, devices)
-                if isinstance(runner, nn.Module)
-                else [runner] * len(devices)
-            )
-            losses = parallel_apply(replicas, args, chunk_kwargs, devices)
-            if exact is not None:
-                return combine(losses, target)
-        return gather(losses, target, self.dim, chunk_sizes=sizes, scalars=self.scalars)
