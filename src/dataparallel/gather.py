@@ -219,7 +219,6 @@ def gather_outputs(
     target: torch.device,
     dim: int,
     sizes: Sequence[int] | None,
-    *,
     scalars: ScalarMode,
     scalar_weights: Sequence[float] | None = None,
     output_rules: Mapping[str, int | str] | None = None,
@@ -234,7 +233,10 @@ def gather_outputs(
     override chose the chunks (read from the outputs then).
     """
     if len(outputs) == 1 and scalars != "stack":
-        return _move_one(outputs[0], target)
+        try:
+            return to_target(outputs[0], target, None)
+        except (RecursionError, TooDeep):
+            raise _too_deep() from None
     if sizes is not None and not output_rules:
         out = _concat_batched(outputs, target, dim, sizes)
         if out is not None:

@@ -59,7 +59,16 @@ def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
 def _run(step: Step, obj: Any, start: int, length: int, move: Any, move_plain: Any) -> Any:
     """What one program step gives for ``obj``, the argument at its position, for the slice
     ``[start, start + length)``."""
+    if type(step) is SplitCut and type(obj) is torch.Tensor:  # the common leaf, first
+        return (move if step.cast else move_plain)(_narrow(obj, step.dim, start, length))
     if isinstance(step, Rebuild):
+        cls = type(obj)
+        if cls is tuple or cls is list:  # plain containers: no template to keep
+            items = [
+                _run(c, v, start, length, move, move_plain)
+                for c, v in zip(step.children, obj, strict=True)
+            ]
+            return tuple(items) if cls is tuple else items
         keys, values = struct_items(obj, step.kind)
         results = [
             _run(c, v, start, length, move, move_plain)
@@ -74,12 +83,7 @@ def _run(step: Step, obj: Any, start: int, length: int, move: Any, move_plain: A
     if isinstance(step, SplitCut):
         dim = step.dim
         if isinstance(obj, torch.Tensor):
-            if start or length != obj.shape[dim]:  # the whole batch needs no narrow
-                if obj.is_sparse:  # COO has no views: a copy of the slice (differentiable)
-                    obj = obj.narrow_copy(dim, start, length)
-                else:
-                    obj = obj.narrow(dim, start, length)
-            return fn(obj)
+            return fn(_narrow(obj, dim, start, length))
         index = [slice(None)] * obj.ndim
         index[dim] = slice(start, start + length)
         return obj[tuple(index)]
@@ -95,6 +99,14 @@ def _run(step: Step, obj: Any, start: int, length: int, move: Any, move_plain: A
         return _per_sample(step, obj, start, length, fn, move_plain)
     padded, lengths = pad_packed_sequence(obj, batch_first=True)  # a PackedCut
     return take_packed(padded, lengths, start, length, move)
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Samples ``[start, start + length)`` of ``t`` along ``dim``: a view (the whole batch is
+    ``t`` itself); a sparse COO tensor has no views, so a copy of the slice (differentiable)."""
+    if not start and length == t.shape[dim]:
+        return t
+    return t.narrow_copy(dim, start, length) if t.is_sparse else t.narrow(dim, start, length)
 
 
 def _per_sample(
@@ -148,6 +160,8 @@ def take(plan: Plan, start: int, length: int, device: torch.device) -> tuple[Any
     move = _mover(device, plan.dtype)
     move_plain = move if plan.dtype is None else _mover(device, None)
     args = _run(program.args, plan.inputs, start, length, move, move_plain)
+    if not program.kw_keys:
+        return args, {}
     kwargs = plan.kwargs
     kw = {
         key: _run(step, kwargs[key], start, length, move, move_plain)

@@ -255,10 +255,16 @@ class DataParallel(nn.DataParallel):
     ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
         """One wave's chunks, their devices and sizes: the plan's program run for each
         ``(device, start, length)`` of the wave, or the ``scatter`` override's chunks."""
-        devices = [device for device, _, _ in wave]
         if not steps.scatter:
-            chunks = [take(plan, start, length, device) for device, start, length in wave]
-            return [a for a, _ in chunks], [k for _, k in chunks], devices, [n for *_, n in wave]
+            chunk_args, chunk_kwargs, chunk_devices, chunk_sizes = [], [], [], []
+            for device, start, length in wave:
+                one_args, one_kwargs = take(plan, start, length, device)
+                chunk_args.append(one_args)
+                chunk_kwargs.append(one_kwargs)
+                chunk_devices.append(device)
+                chunk_sizes.append(length)
+            return chunk_args, chunk_kwargs, chunk_devices, chunk_sizes
+        devices = [device for device, _, _ in wave]
         if len(plan.slices) > 1:
             raise ValueError(
                 "max_size: waves need the built-in scatter, but scatter is overridden; "
@@ -316,10 +322,10 @@ class DataParallel(nn.DataParallel):
             self.output_device,
             self.dim,
             None if steps.scatter else sizes,  # an override chose the chunks: read them
-            scalars=self.scalars,
-            scalar_weights=weights or None,
-            output_rules=self.__dict__.get("output_rules"),  # (unpickled from before: none)
-            module=self.module,
+            self.scalars,
+            weights or None,
+            self.__dict__.get("output_rules"),  # (a wrapper unpickled from before has none)
+            self._modules["module"],  # (past nn.Module.__getattr__, on every call)
         )
 
     # -- torch's overridable steps ----------------------------------------------------------
