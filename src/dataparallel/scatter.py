@@ -69,6 +69,11 @@ def _run(step: Step, obj: Any, start: int, length: int, move: Any, move_plain: A
                 for c, v in zip(step.children, obj, strict=True)
             ]
             return tuple(items) if cls is tuple else items
+        if cls is dict:
+            return {
+                key: _run(c, v, start, length, move, move_plain)
+                for c, (key, v) in zip(step.children, obj.items(), strict=True)
+            }
         keys, values = struct_items(obj, step.kind)
         results = [
             _run(c, v, start, length, move, move_plain)
