@@ -115,3 +115,17 @@ def test_an_rnn_state_is_gathered_along_its_batch_dim() -> None:
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(h_dp, h)
     torch.testing.assert_close(c_dp, c)
+
+
+@pytest.mark.parametrize("devices", [["cpu"], CPU2])
+def test_rules_apply_the_same_on_one_device_as_on_two(devices: list[str]) -> None:
+    # One rule set whatever the device count: "list" is one value per replica, so one device
+    # gives a list of one (as scalars="stack" gives a vector of one); a count stays a count.
+    x = torch.randn(4, 3)
+    rules = {"output['n']": "sum", "output['two']": "list"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = dp.DataParallel(CountAndConstant(), devices, output_rules=rules)(x)
+    torch.testing.assert_close(out["y"], x + 1)
+    assert out["n"] == 4
+    assert out["two"] == [2] * len(devices)

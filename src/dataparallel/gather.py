@@ -207,11 +207,7 @@ def gather(
     target = resolve_target(target_device)
     sizes = None if chunk_sizes is None else check_gather_sizes(chunk_sizes, len(values))
     rules = check_output_rules(output_rules)
-    if len(values) == 1 and scalars != "stack" and not rules:
-        # One replica: every rule gives its output back, tensors moved. "stack" still turns
-        # scalars into vectors, so it takes the full walk.
-        return _move_one(values[0], target)
-    return _walk(values, target, dim, sizes, scalars, scalar_weights, rules, module)
+    return gather_outputs(values, target, dim, sizes, scalars, scalar_weights, rules, module)
 
 
 def gather_outputs(
@@ -224,49 +220,33 @@ def gather_outputs(
     output_rules: Mapping[str, int | str] | None = None,
     module: nn.Module | None = None,
 ) -> Any:
-    """The pipeline's gather: ``gather`` for arguments ``DataParallel`` checked once, at
-    construction, with the cheapest rule that applies chosen here rather than by the caller.
+    """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
+    checks them once, at construction), with the cheapest rule that applies chosen here, not by
+    the caller.
 
-    One replica's output comes back as the module gave it on one device (tensors moved to
-    ``target``); outputs that are all plain tensors batched along ``dim`` are concatenated
-    (rule 1); anything else takes the rules' walk. ``sizes`` is ``None`` when a ``scatter``
-    override chose the chunks (read from the outputs then).
+    One replica's output comes back as the module gave it (tensors moved to ``target``) unless
+    ``"stack"`` or ``output_rules`` ask for more; outputs that are all plain tensors batched
+    along ``dim`` are concatenated (rule 1); anything else takes the rules' walk. ``sizes`` is
+    ``None`` when the chunk sizes are not known (read from the outputs then).
     """
-    if len(outputs) == 1 and scalars != "stack":
-        try:
-            return to_target(outputs[0], target, None)
-        except (RecursionError, TooDeep):
-            raise _too_deep() from None
-    if sizes is not None and not output_rules:
-        out = _concat_batched(outputs, target, dim, sizes)
-        if out is not None:
-            return out
-    return _walk(outputs, target, dim, sizes, scalars, scalar_weights, output_rules, module)
-
-
-def _walk(
-    values: list[Any],
-    target: torch.device,
-    dim: int,
-    sizes: Sequence[int] | None,
-    scalars: ScalarMode,
-    scalar_weights: Sequence[float] | None,
-    rules: Mapping[str, int | str] | None,
-    module: nn.Module | None,
-) -> Any:
-    """The gather rules, walked over the replicas' outputs together."""
     try:
+        if len(outputs) == 1 and scalars != "stack" and not output_rules:
+            return to_target(outputs[0], target, None)
         if sizes is None:
-            found = [first_batch_size(v, dim) for v in values]
+            found = [first_batch_size(v, dim) for v in outputs]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
+        elif not output_rules:
+            out = _concat_batched(outputs, target, dim, sizes)
+            if out is not None:
+                return out
         weights = (
-            None if scalar_weights is None else check_scalar_weights(scalar_weights, len(values))
+            None if scalar_weights is None else check_scalar_weights(scalar_weights, len(outputs))
         )
         ctx = _Context(
-            target, dim, None if sizes is None else tuple(sizes), scalars, len(values), weights
+            target, dim, None if sizes is None else tuple(sizes), scalars, len(outputs), weights
         )
-        ctx.module, ctx.rules = module, dict(rules) if rules else None
-        out = _gather(values, None, ctx)
+        ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
+        out = _gather(outputs, None, ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
         return out
@@ -281,15 +261,6 @@ def _too_deep() -> ValueError:
         "itself, expected a tree of tuples, lists, dicts and dataclasses; return a flatter "
         "output, or use gather=False"
     )
-
-
-def _move_one(output: Any, target: torch.device) -> Any:
-    """One replica's output with its tensors moved to ``target`` (itself when nothing moves)."""
-    try:
-        return to_target(output, target, None)
-    except (RecursionError, TooDeep):
-        pass
-    raise _too_deep()
 
 
 def _concat_batched(
