@@ -211,25 +211,7 @@ def test_a_reused_plan_of_containers_equals_a_fresh_one(
     for wave in fresh.slices:
         for device, start, length in wave:
             got, want = take(reused, start, length, device), take(fresh, start, length, device)
-            _assert_same_tree(got, want)
-
-
-def _assert_same_tree(got: Any, want: Any) -> None:
-    assert type(got) is type(want)
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
-    elif isinstance(want, np.ndarray):
-        assert np.array_equal(got, want)
-    elif isinstance(want, dict):
-        assert list(got) == list(want)
-        for key in want:
-            _assert_same_tree(got[key], want[key])
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want)
-        for a, b in zip(got, want, strict=True):
-            _assert_same_tree(a, b)
-    else:
-        assert got == want
+            assert_same(got, want)
 
 
 @pytest.mark.parametrize(
