@@ -182,5 +182,11 @@ def test_a_closed_reader_ends_the_run_quietly(
     assert proc.stdout.readline()  # `| head -1`: one line read, then the pipe closes
     proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=90) == 141, err
+    code = proc.wait(timeout=90)
+    if argv[-1] == "explain":
+        # explain prints about 6 KB, which fits in the pipe's buffer: it may have written all of
+        # it (exit 0) before the reader closed, or hit the closed pipe (141). Quiet either way.
+        assert code in (0, 141), err
+    else:  # training prints for seconds: it always meets the closed pipe
+        assert code == 141, err
     assert err == ""
