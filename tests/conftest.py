@@ -10,11 +10,20 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 # scikit-learn (a dev dependency) sets KMP_* variables on first import: import it before any
 # test runs, so the leak check below does not blame the first test that touches it.
 import sklearn  # noqa: F401
 import torch
+
+# Property tests: derandomized under CI (CI=true), so `make test` gives one answer there and no
+# saved failing example replays into later runs (no database); elsewhere hypothesis draws fresh
+# examples and keeps what fails. HYPOTHESIS_PROFILE names either profile explicitly.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _CI else "dev"))
 
 # Threads of the process-wide replica pool are created on first use and kept on purpose.
 POOL_THREAD_PREFIX = "dataparallel-"
