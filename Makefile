@@ -51,7 +51,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
 
 # Run the default training (and on two CPU replicas), keep the figures in benchmarks/results/,
-# and rewrite the README's marked figures from them and from benchmarks/results/latest-cpu.json.
+# and rewrite the marked figures of README.md and docs/ from them and from
+# benchmarks/results/latest-cpu.json.
 # It refuses a busy machine (load average, CPU taken by others); ARGS=--allow-busy writes anyway,
 # with the load beside the figures.
 readme-figures: $(STAMP)

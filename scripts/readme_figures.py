@@ -1,4 +1,4 @@
-"""Write the README's measured figures from committed results, never by hand.
+"""Write the measured figures of the README and docs/ from committed results, never by hand.
 
 ``python scripts/readme_figures.py [--run] [--check]`` (``make readme-figures`` runs it with
 ``--run``):
@@ -6,9 +6,9 @@
 - ``--run`` first measures: the default ``dataparallel train`` (what ``make train`` runs) and the
   same on two CPU replicas, each writing its ``--json`` into ``benchmarks/results/`` with the
   machine it ran on;
-- then it rewrites the README's marked regions (``<!-- figures:NAME -->`` ...
-  ``<!-- /figures:NAME -->``) from ``benchmarks/results/train-default.json``,
-  ``train-2cpu.json`` and ``latest-cpu.json``;
+- then it rewrites the marked regions (``<!-- figures:NAME -->`` ... ``<!-- /figures:NAME -->``)
+  of the README, ``docs/guide.md`` and ``docs/benchmarks.md`` from
+  ``benchmarks/results/train-default.json``, ``train-2cpu.json`` and ``latest-cpu.json``;
 - ``--check`` rewrites nothing and exits 1 when a region differs from what the results say
   (``tests/test_readme_figures.py`` does the same check).
 
@@ -41,6 +41,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+PAGES = (README, GUIDE, BENCHMARKS_PAGE)
+"""The pages whose marked regions hold measured figures (each region on exactly one page)."""
 RESULTS = ROOT / "benchmarks" / "results"
 TRAIN_DEFAULT = RESULTS / "train-default.json"
 TRAIN_2CPU = RESULTS / "train-2cpu.json"
@@ -69,7 +73,7 @@ __all__ = [
     "main",
     "regions",
     "render",
-    "rendered_readme",
+    "rendered_page",
 ]
 
 # The README's words for each benchmark case: (what is measured, what the baseline is).
@@ -441,21 +445,33 @@ _REGION = re.compile(
 
 
 def regions(text: str) -> dict[str, str]:
-    """The README's marked regions, by name."""
+    """A page's marked regions, by name."""
     return {m["name"]: m["body"] for m in _REGION.finditer(text)}
 
 
-def rendered_readme(text: str) -> str:
-    """``text`` with every marked region rewritten from the results.
+def rendered_page(text: str) -> str:
+    """``text`` (a page) with every marked region it holds rewritten from the results."""
+    fresh = render()
+    return _REGION.sub(lambda m: m[1] + fresh.get(m["name"], m["body"]) + m[4], text)
+
+
+def rendered_pages() -> dict[Path, tuple[str, str]]:
+    """Each page's text now and with its regions rewritten.
 
     Raises:
-        ValueError: a region the results fill is missing from ``text``.
+        ValueError: a region the results fill is marked on no page, or on two.
     """
-    fresh = render()
-    missing = sorted(set(fresh) - set(regions(text)))
-    if missing:
-        raise ValueError(f"README.md: expected the regions {missing}, got none marked")
-    return _REGION.sub(lambda m: m[1] + fresh[m["name"]] + m[4], text)
+    texts = {page: page.read_text(encoding="utf-8") for page in PAGES}
+    marked = [name for text in texts.values() for name in regions(text)]
+    missing = sorted(set(render()) - set(marked))
+    twice = sorted({name for name in marked if marked.count(name) > 1})
+    if missing or twice:
+        names = ", ".join(str(p.relative_to(ROOT)) for p in PAGES)
+        raise ValueError(
+            f"{names}: expected each of the regions {sorted(render())} marked once, got "
+            f"{missing} missing and {twice} marked twice"
+        )
+    return {page: (text, rendered_page(text)) for page, text in texts.items()}
 
 
 def _measure(args: argparse.Namespace) -> None:
@@ -511,14 +527,17 @@ def main(argv: list[str] | None = None) -> int:
         except Busy as exc:
             print(f"scripts/readme_figures.py: error: {exc}", file=sys.stderr)
             return 1
-    text = README.read_text(encoding="utf-8")
-    new = rendered_readme(text)
+    pages = rendered_pages()
+    stale = [page for page, (text, new) in pages.items() if new != text]
     if args.check:
-        if new != text:
-            print("README.md: figures differ from benchmarks/results; run make readme-figures")
-            return 1
-        return 0
-    README.write_text(new, encoding="utf-8")
+        for page in stale:
+            print(
+                f"{page.relative_to(ROOT)}: figures differ from benchmarks/results; "
+                "run make readme-figures"
+            )
+        return 1 if stale else 0
+    for page in stale:
+        page.write_text(pages[page][1], encoding="utf-8")
     return 0
 
 

@@ -1,15 +1,17 @@
-"""Every command the README gives runs as written, and its sample output is the real one.
+"""Every command the README and its docs pages give runs as written, its sample output is the
+real one, and the README's first example runs as a program.
 
-The commands are read from the README itself: each line of a ```bash block (with its ``\\``
-continuations, without its trailing ``# comment``), each ``$ command`` of a plain block (whose
-following lines are the output it prints), and each inline ``make ...`` or ``.venv/bin/...``
-span. They run with bash, in README order, in a scratch folder that holds what a fresh clone
-after ``make setup`` holds (``.venv``, the Makefile, pyproject.toml, constraints.txt,
-benchmarks/), so files they write (run.pt, run.png) land there. ``cifar-10-batches-py`` is a
-small stand-in in the official format: nothing is downloaded.
+The commands are read from the README and ``docs/`` (in that order): each line of a ```bash
+block (with its ``\\`` continuations, without its trailing ``# comment``), each ``$ command`` of
+a plain block (whose following lines are the output it prints), and each inline ``make ...`` or
+``.venv/bin/...`` span. They run with bash, in that order, in a scratch folder that holds what
+a fresh clone after ``make setup`` holds (``.venv``, the Makefile, pyproject.toml,
+constraints.txt, benchmarks/), so files they write (run.pt, run.png) land there.
+``cifar-10-batches-py`` is a small stand-in in the official format: nothing is downloaded.
 
-The commands not run are listed in ``NOT_RUN`` with the reason; the Python snippets of the
-README are illustrations (they use the reader's ``net`` and ``images``), not commands.
+The commands not run are listed in ``NOT_RUN`` with the reason. The first Python block under
+"## Use" is a complete program and runs as one; the other Python snippets are illustrations
+(they use the reader's model and data), not commands.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from dataparallel.app.demo.data import write_cifar_like
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "benchmarks.md")
 VENV = ROOT / ".venv"
 
 MULTI_NODE = (
@@ -86,7 +90,41 @@ def readme_commands(text: str) -> list[tuple[str, str | None]]:
 
 @pytest.fixture(scope="module")
 def commands() -> list[tuple[str, str | None]]:
-    return readme_commands(README.read_text(encoding="utf-8"))
+    return readme_commands("\n".join(page.read_text(encoding="utf-8") for page in PAGES))
+
+
+def first_example(text: str) -> str:
+    """The first ```python block after the README's "## Use" heading."""
+    use = text.index("\n## Use\n")
+    block = re.compile(r"^```python\n(.*?)^```$", re.M | re.S).search(text, use)
+    assert block is not None, "README.md: no ```python block under ## Use"
+    return block.group(1)
+
+
+def test_the_first_example_runs_as_written(tmp_path: Path) -> None:
+    # A newcomer copies it into a file and runs it: no name it does not define, and devices
+    # that exist on this machine (every GPU, else two CPU replicas).
+    script = tmp_path / "first.py"
+    script.write_text(first_example(README.read_text(encoding="utf-8")), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split(":")[0] for line in done.stdout.splitlines()[:3]] == [
+        "step 0",
+        "step 1",
+        "step 2",
+    ]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()[:3]]
+    assert losses[2] < losses[0]  # it trains
+    if not torch.cuda.is_available():
+        assert "chunk sizes: [5, 5]" in done.stdout and "devices used (2): cpu, cpu" in done.stdout
 
 
 def test_the_readme_gives_the_commands_as_the_setup_makes_them_work(

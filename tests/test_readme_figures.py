@@ -30,12 +30,16 @@ def _script() -> ModuleType:
 
 def test_readme_figures_are_the_committed_results() -> None:
     figures = _script()
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
     fresh = figures.render()
-    assert set(fresh) <= set(figures.regions(text))
+    found: dict[str, str] = {}
+    for page in figures.PAGES:
+        for name, body in figures.regions(page.read_text(encoding="utf-8")).items():
+            assert name not in found, f"region {name!r} is marked on two pages"
+            found[name] = body
+    assert set(fresh) <= set(found)
     for name, body in fresh.items():
-        assert figures.regions(text)[name] == body, (
-            f"README region {name!r} differs from benchmarks/results; run make readme-figures"
+        assert found[name] == body, (
+            f"region {name!r} differs from benchmarks/results; run make readme-figures"
         )
 
 
@@ -47,7 +51,7 @@ def test_the_check_fails_when_a_number_drifts() -> None:
     line = f"({correct}/"
     assert line in text
     drifted = text.replace(line, f"({correct - 1}/", 1)
-    assert figures.rendered_readme(drifted) == text  # the script puts the true number back
+    assert figures.rendered_page(drifted) == text  # the script puts the true number back
 
 
 def test_committed_default_run_is_consistent() -> None:
@@ -88,7 +92,7 @@ def test_run_refuses_to_write_figures_while_the_load_is_high(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     figures = _script()
-    before = {p: p.read_bytes() for p in (figures.TRAIN_DEFAULT, figures.README)}
+    before = {p: p.read_bytes() for p in (figures.TRAIN_DEFAULT, *figures.PAGES)}
     monkeypatch.setattr(figures.os, "getloadavg", lambda: (9.5, 9.0, 8.0))
     ran: list[object] = []
     monkeypatch.setattr(figures, "_run_train", lambda *a, **k: ran.append(a))
