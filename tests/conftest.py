@@ -10,12 +10,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
 
 # scikit-learn (a dev dependency) sets KMP_* variables on first import: import it before any
 # test runs, so the leak check below does not blame the first test that touches it.
 import sklearn  # noqa: F401
 import torch
+from hypothesis import settings
 
 # Property tests: derandomized under CI (CI=true), so `make test` gives one answer there and no
 # saved failing example replays into later runs (no database); elsewhere hypothesis draws fresh

@@ -19,6 +19,13 @@ from torch import nn
 
 from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
+from dataparallel._partial_sums import (
+    COUNT_KEYWORD,
+    DEFAULT_SCALARS,
+    accepts_keyword,
+    shared_counts,
+    summing_note,
+)
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel._warn import warn_user
@@ -60,7 +67,10 @@ class DataParallel(nn.DataParallel):
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
-            ``"stack"``.
+            ``"stack"``. Left at its default, a call that passes ``num_items_in_batch`` (as
+            transformers' Trainer does) gives each replica its share of that count, so a loss
+            that is a partial sum (a causal LM's) comes back as the sum of the replicas' parts
+            and a loss that ignores the count keeps its mean (``dataparallel._partial_sums``).
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
         scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
             arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
@@ -97,7 +107,7 @@ class DataParallel(nn.DataParallel):
         max_size: int | None = None,
         dtype: torch.dtype | None = None,
         strict: bool = False,
-        scalars: str = "mean",
+        scalars: str = DEFAULT_SCALARS,
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
@@ -214,18 +224,56 @@ class DataParallel(nn.DataParallel):
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
+        # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
+        share = COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, steps)
+        total = self._weight_total(plan, inputs, kwargs, steps) if share else 0.0
         for wave in plan.slices:
             args, kws, wave_devices, wave_sizes = self._scatter_wave(
                 plan, wave, inputs, kwargs, steps
             )
             if self.scalar_weights is not None:
                 weights.extend(chunk_weights(self.scalar_weights, args, kws))
+            if share:
+                counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
+                kws = shared_counts(kws, counted, total or float(sum(counted)))
             replicas = self._replicate_wave(wave_devices)
             outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers)
             devices += wave_devices
             sizes += wave_sizes
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
         return self._gather_all(outputs, devices, sizes, weights, steps)
+
+    def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
+        """Whether this call's chunks each get their share of ``num_items_in_batch``: it is
+        passed (not None) to a module that takes it, the call has two chunks or more, and the
+        built-in gather will take the default mean (no ``scalars``, ``output_rules`` or
+        ``gather=False`` chosen). See ``dataparallel._partial_sums``."""
+        return (
+            kwargs[COUNT_KEYWORD] is not None
+            and self.scalars is DEFAULT_SCALARS
+            and self.gather_outputs
+            and not steps.gather
+            and not self.__dict__.get("output_rules")
+            and sum(len(wave) for wave in plan.slices) > 1
+            and accepts_keyword(self._modules["module"])  # type: ignore[arg-type]
+        )
+
+    def _weight_total(
+        self, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: _Overrides
+    ) -> float:
+        """The total weight of the call's chunks in the scalars' mean: the batch size, or the
+        sum of ``scalar_weights`` over every chunk of every wave (waves scattered once more
+        here: only a call that combines waves, ``scalar_weights`` and the count pays it); 0
+        for one wave with ``scalar_weights``, whose total the pipeline reads as it goes."""
+        if self.scalar_weights is None:
+            return float(plan.batch_size)
+        if len(plan.slices) == 1:
+            return 0.0  # read from the one wave's weights as it is scattered
+        total = 0.0
+        for wave in plan.slices:
+            args, kws, _, _ = self._scatter_wave(plan, wave, inputs, kwargs, steps)
+            total += sum(chunk_weights(self.scalar_weights, args, kws))
+        return total
 
     # -- the steps, each honouring its override -------------------------------------------------
 
@@ -365,8 +413,12 @@ class DataParallel(nn.DataParallel):
         return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
-        """The plan this wrapper would follow for these arguments; runs nothing."""
-        return build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        """The plan this wrapper would follow for these arguments; runs nothing. Its notes say
+        how the call's outputs will be gathered where that is not the default."""
+        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        if COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, self._find_overrides()):
+            plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
+        return plan
 
     # -- checks -----------------------------------------------------------------------------------
 
