@@ -40,7 +40,12 @@ from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import ReplicaSets
-from dataparallel.replicate._compiled import check_not_compiled
+from dataparallel.replicate._compiled import (
+    CompiledReplicas,
+    check_compile_option,
+    check_not_compiled,
+    warn_compiled_wrapper,
+)
 from dataparallel.scatter import take
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]
@@ -82,6 +87,10 @@ class DataParallel(nn.DataParallel):
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
             ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
             replica). Ignored when ``gather`` is overridden.
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
+            ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
+            module itself) included, once per replica (not per call); the module is not
+            changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -111,6 +120,7 @@ class DataParallel(nn.DataParallel):
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
@@ -149,6 +159,8 @@ class DataParallel(nn.DataParallel):
             )
         self.scalar_weights = scalar_weights
         self.output_rules = check_output_rules(output_rules)
+        # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
+        self.compile_options = check_compile_option(compile)
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()
 
@@ -176,7 +188,14 @@ class DataParallel(nn.DataParallel):
         # starts with no last call, a lock of its own, no replicas and no device sentinels
         # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans"):
+        for name in (
+            "_calls",
+            "_lock",
+            "_replica_sets",
+            "_sentinels",
+            "_plans",
+            "_compiled_replicas",
+        ):
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -208,6 +227,10 @@ class DataParallel(nn.DataParallel):
         call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
         saved. Threads that must run at once use a wrapper each (they share the module).
         """
+        if torch.compiler.is_compiling():
+            # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
+            # threads and locks), with a warning naming compile=.
+            return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
         with self._call_lock():
             self._check_module_device()
             try:
@@ -215,6 +238,11 @@ class DataParallel(nn.DataParallel):
             except RuntimeError:
                 self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
                 raise
+
+    def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward`` reached through ``torch.compile(wrapper)``: run as without it."""
+        warn_compiled_wrapper(self)
+        return self.forward(*inputs, **kwargs)
 
     def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
@@ -329,6 +357,13 @@ class DataParallel(nn.DataParallel):
             return [self.module]
         return self.replicate(self.module, devices)
 
+    def _compiled(self, options: dict[str, Any]) -> CompiledReplicas:
+        """The table of compiled replicas for these options (made again if they changed)."""
+        table: CompiledReplicas | None = self.__dict__.get("_compiled_replicas")
+        if table is None or table.source is not options:
+            table = self.__dict__["_compiled_replicas"] = CompiledReplicas(options)
+        return table
+
     def _apply_wave(
         self,
         replicas: list[nn.Module],
@@ -339,16 +374,18 @@ class DataParallel(nn.DataParallel):
         timers: list[Any],
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
+        options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
+        run = replicas if options is None else self._compiled(options).wrap(replicas)
         if steps.parallel_apply and not alone:
             # an override may call super().parallel_apply: it needs this wave's devices
             self.__dict__["_wave_devices"] = devices
             try:
-                outputs = self.parallel_apply(replicas, args, kws)
+                outputs = self.parallel_apply(run, args, kws)
             finally:
                 self.__dict__.pop("_wave_devices", None)
             timers += [float("nan")] * len(devices)
         else:
-            outputs = apply_replicas(replicas, args, kws, devices, timers)
+            outputs = apply_replicas(run, args, kws, devices, timers)
         if replicas[0] is not self.module:
             _copy_buffers_back(replicas[0], self.module)
         return outputs
@@ -459,6 +496,9 @@ class DataParallel(nn.DataParallel):
             self._warned.add(plan.warning_key)
             for message in plan.warnings:
                 warn_user(message)
+
+
+_NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
 
 
 class _Overrides(NamedTuple):
