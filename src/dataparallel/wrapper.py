@@ -28,6 +28,7 @@ from dataparallel._partial_sums import (
 )
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel._steps import StepCall, StepMethod, step_rules
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -239,12 +240,25 @@ class DataParallel(nn.DataParallel):
                 self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
                 raise
 
+    # mmcv's and mmengine's step methods, where the module has them (dataparallel._steps)
+    train_step = StepMethod()
+    val_step = StepMethod()
+    test_step = StepMethod()
+
+    def _run_step(self, name: str, *inputs: Any, **kwargs: Any) -> Any:
+        """``forward``'s pipeline with each replica running its method ``name``."""
+        with self._call_lock():
+            self._check_module_device()
+            return self._pipeline(inputs, kwargs, name)
+
     def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``forward`` reached through ``torch.compile(wrapper)``: run as without it."""
         warn_compiled_wrapper(self)
         return self.forward(*inputs, **kwargs)
 
-    def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
+    ) -> Any:
         steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         outputs: list[Any] = []
@@ -265,11 +279,11 @@ class DataParallel(nn.DataParallel):
                 counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
                 kws = shared_counts(kws, counted, total or float(sum(counted)))
             replicas = self._replicate_wave(wave_devices)
-            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers)
+            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers, method)
             devices += wave_devices
             sizes += wave_sizes
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
-        return self._gather_all(outputs, devices, sizes, weights, steps)
+        return self._gather_all(outputs, devices, sizes, weights, steps, method)
 
     def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
         """Whether this call's chunks each get their share of ``num_items_in_batch``: it is
@@ -372,10 +386,13 @@ class DataParallel(nn.DataParallel):
         devices: list[torch.device],
         steps: _Overrides,
         timers: list[Any],
+        method: str | None = None,
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
         options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
         run = replicas if options is None else self._compiled(options).wrap(replicas)
+        if method is not None:  # train_step & co.: each replica runs its own method
+            run = [StepCall(replica, method) for replica in replicas]
         if steps.parallel_apply and not alone:
             # an override may call super().parallel_apply: it needs this wave's devices
             self.__dict__["_wave_devices"] = devices
@@ -397,6 +414,7 @@ class DataParallel(nn.DataParallel):
         sizes: list[int],
         weights: list[float],
         steps: _Overrides,
+        method: str | None = None,
     ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
@@ -409,7 +427,10 @@ class DataParallel(nn.DataParallel):
             None if steps.scatter else sizes,  # an override chose the chunks: read them
             self.scalars,
             weights or None,
-            self.__dict__.get("output_rules"),  # (a wrapper unpickled from before has none)
+            # (a wrapper unpickled from before has none)
+            self.__dict__.get("output_rules")
+            if method is None
+            else step_rules(outputs[0], self.__dict__.get("output_rules")),
             self._modules["module"],  # (past nn.Module.__getattr__, on every call)
         )
 
