@@ -57,8 +57,8 @@ class _Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def _trainer(model: nn.Module, out: Path, batch: int) -> Any:
-    args = transformers.TrainingArguments(
+def _trainer(model: nn.Module, out: Path, batch: int, **overrides: Any) -> Any:
+    settings: dict[str, Any] = dict(
         output_dir=str(out),
         per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch,
@@ -76,6 +76,7 @@ def _trainer(model: nn.Module, out: Path, batch: int) -> Any:
         disable_tqdm=True,
         seed=0,
     )
+    args = transformers.TrainingArguments(**{**settings, **overrides})
     return transformers.Trainer(
         model=model,
         args=args,
@@ -153,6 +154,37 @@ def test_trainer_save_model_writes_the_wrappers_keys(tmp_path: Path) -> None:
     again = dp.DataParallel(tiny_bert(num_labels=3), ["cpu", "cpu"])
     again.load_state_dict(state)
     _weights_equal(model, again.module, "Trainer.save_model into a wrapper")
+
+
+def test_trainer_checkpoints_load_into_the_plain_model_with_load_unwrapped(
+    tmp_path: Path,
+) -> None:
+    """Trainer's checkpoint-N folders and save_model hold module.* keys; from_pretrained
+    re-initialises every weight without an error; dp.load_unwrapped loads them exactly."""
+    ref_model = tiny_bert()
+    model = copy.deepcopy(ref_model)
+    trainer = _trainer(
+        dp.DataParallel(model, ["cpu", "cpu:1"]),
+        tmp_path,
+        5,
+        save_strategy="steps",
+        save_steps=STEPS,
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    cls, config = type(model), model.config  # type: ignore[union-attr]
+
+    naive = cls.from_pretrained(tmp_path / "saved")  # what users do, and what goes wrong
+    assert not torch.equal(naive.classifier.weight, model.classifier.weight)  # type: ignore[union-attr]
+
+    for folder in (tmp_path / "saved", tmp_path / f"checkpoint-{STEPS}"):
+        loaded = dp.load_unwrapped(folder, cls(config))
+        for (name, a), b in zip(
+            model.state_dict().items(), loaded.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), f"{folder.name}: {name}"
+    # a trained model, not the initial one
+    assert not torch.equal(ref_model.classifier.weight, model.classifier.weight)  # type: ignore[union-attr]
 
 
 def _accelerate_run(
