@@ -20,13 +20,23 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["COUNT_KEYWORD", "DEFAULT_SCALARS", "accepts_keyword", "shared_counts", "summing_note"]
+from dataparallel._losses import chunk_weights
+
+__all__ = [
+    "COUNT_KEYWORD",
+    "DEFAULT_SCALARS",
+    "accepts_keyword",
+    "shared_counts",
+    "shares_count",
+    "summing_note",
+    "weight_total",
+]
 
 COUNT_KEYWORD = "num_items_in_batch"
 
@@ -77,6 +87,40 @@ def accepts_keyword(module: nn.Module, name: str = COUNT_KEYWORD) -> bool:
         with contextlib.suppress(TypeError):
             _ACCEPTS[key] = found
     return found
+
+
+def shares_count(
+    kwargs: Mapping[str, Any], module: Any, scalars: str, default_gather: bool, chunks: int
+) -> bool:
+    """Whether a call's chunks each get their share of ``num_items_in_batch``: it is passed
+    (not None) to a module that takes it, ``scalars`` is the default, the built-in gather will
+    take the mean (``default_gather``: no ``output_rules``, ``gather=False`` or override) and
+    the call has two chunks or more."""
+    return (
+        kwargs[COUNT_KEYWORD] is not None
+        and scalars is DEFAULT_SCALARS
+        and default_gather
+        and chunks > 1
+        and accepts_keyword(module)
+    )
+
+
+def weight_total(
+    batch_size: int,
+    waves: Sequence[Sequence[Any]],
+    scalar_weights: Callable[..., Any] | None,
+    scatter: Callable[[Any], tuple[Sequence[Any], Sequence[Any]]],
+) -> float:
+    """The total weight of a call's chunks in the scalars' mean: the batch size, or the sum
+    of ``scalar_weights`` over every chunk of every wave (each wave scattered once more here,
+    by ``scatter(wave) -> (chunk_args, chunk_kwargs)``: only a call that combines waves,
+    ``scalar_weights`` and the count pays it); 0 for one wave with ``scalar_weights``, whose
+    total the pipeline reads from that wave's weights as it goes."""
+    if scalar_weights is None:
+        return float(batch_size)
+    if len(waves) == 1:
+        return 0.0
+    return float(sum(sum(chunk_weights(scalar_weights, *scatter(wave))) for wave in waves))
 
 
 def shared_counts(

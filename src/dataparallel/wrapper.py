@@ -22,9 +22,10 @@ from dataparallel._output_rules import check_output_rules
 from dataparallel._partial_sums import (
     COUNT_KEYWORD,
     DEFAULT_SCALARS,
-    accepts_keyword,
     shared_counts,
+    shares_count,
     summing_note,
+    weight_total,
 )
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
@@ -189,14 +190,7 @@ class DataParallel(nn.DataParallel):
         # starts with no last call, a lock of its own, no replicas and no device sentinels
         # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in (
-            "_calls",
-            "_lock",
-            "_replica_sets",
-            "_sentinels",
-            "_plans",
-            "_compiled_replicas",
-        ):
+        for name in _TRANSIENT:
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -286,36 +280,20 @@ class DataParallel(nn.DataParallel):
         return self._gather_all(outputs, devices, sizes, weights, steps, method)
 
     def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
-        """Whether this call's chunks each get their share of ``num_items_in_batch``: it is
-        passed (not None) to a module that takes it, the call has two chunks or more, and the
-        built-in gather will take the default mean (no ``scalars``, ``output_rules`` or
-        ``gather=False`` chosen). See ``dataparallel._partial_sums``."""
-        return (
-            kwargs[COUNT_KEYWORD] is not None
-            and self.scalars is DEFAULT_SCALARS
-            and self.gather_outputs
-            and not steps.gather
-            and not self.__dict__.get("output_rules")
-            and sum(len(wave) for wave in plan.slices) > 1
-            and accepts_keyword(self._modules["module"])  # type: ignore[arg-type]
+        """Whether this call's chunks each get their share of ``num_items_in_batch``."""
+        default_gather = (
+            self.gather_outputs and not steps.gather and not self.__dict__.get("output_rules")
         )
+        chunks = sum(len(wave) for wave in plan.slices)
+        return shares_count(kwargs, self._modules["module"], self.scalars, default_gather, chunks)
 
     def _weight_total(
         self, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: _Overrides
     ) -> float:
-        """The total weight of the call's chunks in the scalars' mean: the batch size, or the
-        sum of ``scalar_weights`` over every chunk of every wave (waves scattered once more
-        here: only a call that combines waves, ``scalar_weights`` and the count pays it); 0
-        for one wave with ``scalar_weights``, whose total the pipeline reads as it goes."""
-        if self.scalar_weights is None:
-            return float(plan.batch_size)
-        if len(plan.slices) == 1:
-            return 0.0  # read from the one wave's weights as it is scattered
-        total = 0.0
-        for wave in plan.slices:
-            args, kws, _, _ = self._scatter_wave(plan, wave, inputs, kwargs, steps)
-            total += sum(chunk_weights(self.scalar_weights, args, kws))
-        return total
+        def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+            return self._scatter_wave(plan, wave, inputs, kwargs, steps)[:2]
+
+        return weight_total(plan.batch_size, plan.slices, self.scalar_weights, scatter)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
@@ -371,13 +349,6 @@ class DataParallel(nn.DataParallel):
             return [self.module]
         return self.replicate(self.module, devices)
 
-    def _compiled(self, options: dict[str, Any]) -> CompiledReplicas:
-        """The table of compiled replicas for these options (made again if they changed)."""
-        table: CompiledReplicas | None = self.__dict__.get("_compiled_replicas")
-        if table is None or table.source is not options:
-            table = self.__dict__["_compiled_replicas"] = CompiledReplicas(options)
-        return table
-
     def _apply_wave(
         self,
         replicas: list[nn.Module],
@@ -390,7 +361,7 @@ class DataParallel(nn.DataParallel):
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
         options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
-        run = replicas if options is None else self._compiled(options).wrap(replicas)
+        run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
         if method is not None:  # train_step & co.: each replica runs its own method
             run = [StepCall(replica, method) for replica in replicas]
         if steps.parallel_apply and not alone:
@@ -519,6 +490,8 @@ class DataParallel(nn.DataParallel):
                 warn_user(message)
 
 
+# What a copy or a pickle of a wrapper does not take (see __getstate__).
+_TRANSIENT = ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans", "_compiled_replicas")
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
 
 

@@ -139,6 +139,14 @@ class CompiledReplicas:
         self.call = torch.compile(own, **self.options)
         self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
 
+    @classmethod
+    def of(cls, wrapper: nn.Module, options: dict[str, Any]) -> CompiledReplicas:
+        """The wrapper's table for these options (made again if they were replaced)."""
+        table: CompiledReplicas | None = wrapper.__dict__.get("_compiled_replicas")
+        if table is None or table.source is not options:
+            table = wrapper.__dict__["_compiled_replicas"] = cls(options)
+        return table
+
     def wrap(self, replicas: Sequence[nn.Module]) -> list[nn.Module]:
         """Each replica as a module that runs it through the compiled call, in order."""
         table = self._table
