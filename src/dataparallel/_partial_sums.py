@@ -145,8 +145,9 @@ def summing_note(value: Any) -> str:
     """What ``explain`` says about a call that passes ``num_items_in_batch``."""
     found = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
     return (
-        f"{COUNT_KEYWORD}={found!r} is passed: each replica receives its share (count * chunk "
-        f"size / batch size), so the chunk-weighted mean of the replicas' losses is the sum of "
+        f"{COUNT_KEYWORD}={found!r} is passed: each replica receives its share (count * its "
+        f"chunk's weight in the mean / the total: its chunk size / the batch size unless "
+        f"scalar_weights is set), so the weighted mean of the replicas' losses is the sum of "
         f"their partial sums, the one-device loss (a loss that ignores the count keeps its "
         f"mean); choose scalars= explicitly to pass the count unchanged"
     )

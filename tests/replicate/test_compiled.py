@@ -166,3 +166,17 @@ def test_compiling_the_wrapper_warns_once_with_the_fix_and_runs_eagerly() -> Non
             torch.testing.assert_close(compiled(x), model(x))
     assert len(rec) == 1, [str(w.message) for w in rec]
     assert backend.graphs == []
+
+
+def test_compiling_a_wrapper_made_with_compile_says_it_adds_nothing() -> None:
+    torch._dynamo.reset()
+    backend = Counting()
+    model = _model()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu:1"], compile={"backend": backend})
+    outer = torch.compile(wrapper, backend="eager")
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"adds nothing.*drop the outer torch.compile") as rec:
+        for _ in range(2):
+            torch.testing.assert_close(outer(x), model(x))
+    assert len(rec) == 1
+    assert 1 <= len(backend.graphs) <= 2  # the replicas are compiled all the same

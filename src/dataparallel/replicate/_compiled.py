@@ -169,6 +169,13 @@ def warn_compiled_wrapper(wrapper: nn.Module) -> None:
     if wrapper.__dict__.get("_warned_compiled"):
         return
     wrapper.__dict__["_warned_compiled"] = True
+    if wrapper.__dict__.get("compile_options") is not None:
+        warn_user(
+            "torch.compile(dp.DataParallel(..., compile=...)) adds nothing: the wrapper's "
+            "scatter, threads and gather run eagerly, and its replicas are compiled by "
+            "compile= already; drop the outer torch.compile"
+        )
+        return
     warn_user(
         "torch.compile(dp.DataParallel(...)) compiles none of the model: the wrapper's "
         "scatter, threads and gather cannot be traced, so it runs eagerly, and so would every "
