@@ -11,6 +11,7 @@ partial sums, or summing the means, is visibly wrong.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from collections import namedtuple
 from typing import Any
@@ -180,9 +181,15 @@ def test_explain_says_the_loss_is_summed() -> None:
     assert not explicit.explain(ids, labels, num_items_in_batch=count).notes
 
 
-def test_the_default_still_reads_mean() -> None:
+def test_the_default_still_reads_mean_and_survives_copies() -> None:
     wrapper = dp.DataParallel(nn.Linear(2, 2), ["cpu", "cpu"])
     assert wrapper.scalars == "mean" and repr(wrapper.scalars) == "'mean'"
+    ids, labels, count = _batch()
+    ref = TokenLM()(ids, labels, num_items_in_batch=count)["loss"]
+    lm = dp.DataParallel(TokenLM(), ["cpu", "cpu"])
+    for again in (copy.deepcopy(lm), pickle.loads(pickle.dumps(lm))):
+        assert again.scalars is lm.scalars  # still the default, not an explicit "mean"
+        assert_close_rel(again(ids, labels, num_items_in_batch=count)["loss"], ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = dp.data_parallel(

@@ -50,6 +50,10 @@ class _DefaultScalars(str):
     def __repr__(self) -> str:
         return "'mean'"
 
+    def __reduce__(self) -> str:
+        # pickled and copied as the one default (by name), so a copied wrapper keeps it
+        return "DEFAULT_SCALARS"
+
 
 DEFAULT_SCALARS: str = _DefaultScalars("mean")
 
