@@ -42,6 +42,7 @@ from dataparallel.wrapper import DataParallel
 __all__ = [
     "FULL",
     "QUICK",
+    "case_compile",
     "case_ddp",
     "case_mmcv_scatter",
     "case_plan_cache",
@@ -350,6 +351,55 @@ def case_train_step(settings: Settings) -> list[Case]:
     ]
 
 
+# -- c2. compile=: compiled replicas against eager ones ---------------------------------------
+
+
+def case_compile(settings: Settings, options: bool | dict[str, Any] = True) -> list[Case]:
+    """(c2) One SGD step of the tutorial CNN at batch 64 on two CPU replicas:
+    ``DataParallel(net, CPU2, compile=True)`` (inductor) against eager replicas. Reported for
+    information (no target): on a CPU, inductor's gain depends on the machine, and its first
+    call compiles (seconds to minutes), done before timing. ``options`` is ``compile=``
+    (the tests pass the "eager" backend, which compiles in a second)."""
+    title = (
+        "training step (fwd, loss, bwd, SGD) of Net(3, 32, 10), batch 64, on ['cpu', 'cpu']: "
+        "DataParallel(compile=True) vs eager replicas"
+    )
+    torch.manual_seed(0)
+    x = torch.randn(64, 3, 32, 32)
+    y = torch.randint(0, 10, (64,))
+
+    def stepper(compile_: bool | dict[str, Any]) -> Callable[[], None]:
+        torch.manual_seed(0)
+        net = Net(3, 32, 10)
+        model = DataParallel(net, CPU2, compile=compile_)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        return step
+
+    compiled = stepper(options)
+    try:
+        compiled()  # the compile itself, before the harness calibrates on it
+    except Exception as exc:  # no C compiler, or a platform inductor does not support
+        return [Case("dp_compile_train_step", title, skipped=f"inductor failed: {exc!r:.200}")]
+    stats = compare({"compiled": compiled, "eager": stepper(False)}, settings)
+    return [
+        _pair(
+            "dp_compile_train_step",
+            title,
+            stats,
+            "compiled",
+            "eager",
+            target=None,
+            what="compiled step time / eager step time",
+        )
+    ]
+
+
 # -- d. cached replicate against fresh replicas ---------------------------------------------
 
 
@@ -608,4 +658,11 @@ QUICK: tuple[CaseFn, ...] = (
     case_train_step,
     case_replicate,
 )
-FULL: tuple[CaseFn, ...] = (*QUICK, case_e2e, case_mmcv_scatter, case_ddp, case_train_ddp)
+FULL: tuple[CaseFn, ...] = (
+    *QUICK,
+    case_compile,
+    case_e2e,
+    case_mmcv_scatter,
+    case_ddp,
+    case_train_ddp,
+)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from benchmarks.__main__ import main
-from benchmarks.cases import FULL, QUICK, _by_hand, _ours, heterogeneous_batch
+from benchmarks.cases import FULL, QUICK, _by_hand, _ours, case_compile, heterogeneous_batch
 from benchmarks.e2e import Floor, case_e2e, tiny_mlp
 from benchmarks.harness import SCHEMA, Case, Settings, Stats, compare, paired_ratio
 
@@ -254,3 +254,13 @@ def test_train_ddp_rounds_report_both_sides_and_their_paired_ratio() -> None:
     assert report["ratio"] == pytest.approx(statistics.median(ratios))
     assert report["met"] == (report["ratio"] >= TARGET)
     assert report["load_average_1min"]["max"] is not None
+
+
+def test_full_set_times_compiled_replicas_against_eager() -> None:
+    """The compile= row (inductor in the full run; the eager backend here, which compiles in a
+    second): both contenders timed, the ratio their paired figure, no target."""
+    assert case_compile in FULL and case_compile not in QUICK
+    (case,) = case_compile(Settings(repeats=2, min_block_s=0.001, warmup=1), {"backend": "eager"})
+    assert case.name == "dp_compile_train_step" and case.skipped is None
+    assert set(case.stats) == {"compiled", "eager"} and case.baseline == "eager"
+    assert case.ratio is not None and case.ratio > 0 and case.target is None

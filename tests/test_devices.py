@@ -49,6 +49,21 @@ def test_cuda_without_cuda_says_so() -> None:
         resolve_device("cuda:1")
 
 
+def test_minus_one_in_a_device_list_is_the_cpu() -> None:
+    """mmcv's convention (MMDataParallel, scatter(..., [-1])): -1 is the CPU; each entry is one
+    replica, as for "cpu"."""
+    assert resolve_devices([-1]) == [torch.device("cpu")]
+    assert resolve_devices([-1, -1]) == resolve_devices(["cpu", "cpu"])
+    assert resolve_devices(-1) == [torch.device("cpu")]
+    assert resolve_device(-1) == torch.device("cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"device_ids\[0\]: expected a CUDA index >= 0, got -3; "
+        r"-1 means the CPU",
+    ):
+        resolve_devices([-3])
+
+
 def test_target_device_minus_one_is_cpu() -> None:
     assert target_device(-1) == torch.device("cpu")
     assert target_device("cpu") == torch.device("cpu")

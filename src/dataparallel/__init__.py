@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dataparallel.checkpoints import load_unwrapped
 from dataparallel.criterion import DataParallelCriterion
 from dataparallel.devices import resolve_devices
 from dataparallel.distributed import (
@@ -54,6 +55,7 @@ __all__ = [
     "gather",
     "gather_all",
     "init_distributed",
+    "load_unwrapped",
     "parallel_apply",
     "plan",
     "replicate",

@@ -1,7 +1,8 @@
 """Device specs -> ``torch.device`` lists.
 
-A device spec is an ``int`` (a CUDA index), a ``str`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``,
-``"mps"``) or a ``torch.device``. Lists may repeat a device: ``["cpu", "cpu"]`` is two replicas
+A device spec is an ``int`` (a CUDA index; ``-1`` is the CPU, as in mmcv's device lists and
+torch's ``output_device=-1``), a ``str`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``) or a
+``torch.device``. Lists may repeat a device: ``["cpu", "cpu"]`` is two replicas
 on the CPU, ``[0, 0]`` two replicas on GPU 0. Resolving happens once, up front, so that every
 later step works with plain ``torch.device`` objects and every bad spec is reported with its
 position in the list.
@@ -38,20 +39,25 @@ def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
     """Turn one device spec into a ``torch.device`` with an explicit index for CUDA.
 
     Args:
-        spec: an ``int`` CUDA index, a device string or a ``torch.device``.
+        spec: an ``int`` CUDA index (``-1``: the CPU), a device string or a ``torch.device``.
         where: the argument path used in error messages.
 
     Raises:
         ValueError: the spec is not a device, or names a CUDA device this machine lacks.
 
-    >>> resolve_device("cpu")
-    device(type='cpu')
+    >>> resolve_device("cpu"), resolve_device(-1)
+    (device(type='cpu'), device(type='cpu'))
     """
     if isinstance(spec, bool):  # bool is an int subclass; True is never a device
         raise ValueError(f"{where}: expected a device such as 'cpu', 'cuda:0' or 0, got {spec!r}")
     if isinstance(spec, int):
+        if spec == -1:  # the CPU, as mmcv's device lists and torch's output_device=-1 say
+            return torch.device("cpu")
         if spec < 0:
-            raise ValueError(f"{where}: expected a CUDA index >= 0, got {spec!r}; {_fix_hint()}")
+            raise ValueError(
+                f"{where}: expected a CUDA index >= 0, got {spec!r}; -1 means the CPU; "
+                f"{_fix_hint()}"
+            )
         device = torch.device("cuda", spec)
     elif isinstance(spec, torch.device):
         device = spec

@@ -19,8 +19,17 @@ from torch import nn
 
 from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
+from dataparallel._partial_sums import (
+    COUNT_KEYWORD,
+    DEFAULT_SCALARS,
+    shared_counts,
+    shares_count,
+    summing_note,
+    weight_total,
+)
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel._steps import StepCall, StepMethod, step_rules
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -33,7 +42,12 @@ from dataparallel.parallel_apply import apply_replicas, parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import ReplicaSets
-from dataparallel.replicate._compiled import check_not_compiled
+from dataparallel.replicate._compiled import (
+    CompiledReplicas,
+    check_compile_option,
+    check_not_compiled,
+    warn_compiled_wrapper,
+)
 from dataparallel.scatter import take
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]
@@ -60,7 +74,10 @@ class DataParallel(nn.DataParallel):
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
-            ``"stack"``.
+            ``"stack"``. Left at its default, a call that passes ``num_items_in_batch`` (as
+            transformers' Trainer does) gives each replica its share of that count, so a loss
+            that is a partial sum (a causal LM's) comes back as the sum of the replicas' parts
+            and a loss that ignores the count keeps its mean (``dataparallel._partial_sums``).
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
         scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
             arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
@@ -72,6 +89,10 @@ class DataParallel(nn.DataParallel):
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
             ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
             replica). Ignored when ``gather`` is overridden.
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
+            ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
+            module itself) included, once per replica (not per call); the module is not
+            changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -97,10 +118,11 @@ class DataParallel(nn.DataParallel):
         max_size: int | None = None,
         dtype: torch.dtype | None = None,
         strict: bool = False,
-        scalars: str = "mean",
+        scalars: str = DEFAULT_SCALARS,
         gather: bool = True,
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
@@ -139,6 +161,8 @@ class DataParallel(nn.DataParallel):
             )
         self.scalar_weights = scalar_weights
         self.output_rules = check_output_rules(output_rules)
+        # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
+        self.compile_options = check_compile_option(compile)
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()
 
@@ -166,7 +190,7 @@ class DataParallel(nn.DataParallel):
         # starts with no last call, a lock of its own, no replicas and no device sentinels
         # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans"):
+        for name in _TRANSIENT:
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -198,6 +222,10 @@ class DataParallel(nn.DataParallel):
         call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
         saved. Threads that must run at once use a wrapper each (they share the module).
         """
+        if torch.compiler.is_compiling():
+            # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
+            # threads and locks), with a warning naming compile=.
+            return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
         with self._call_lock():
             self._check_module_device()
             try:
@@ -206,7 +234,25 @@ class DataParallel(nn.DataParallel):
                 self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
                 raise
 
-    def _pipeline(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # mmcv's and mmengine's step methods, where the module has them (dataparallel._steps)
+    train_step = StepMethod()
+    val_step = StepMethod()
+    test_step = StepMethod()
+
+    def _run_step(self, name: str, *inputs: Any, **kwargs: Any) -> Any:
+        """``forward``'s pipeline with each replica running its method ``name``."""
+        with self._call_lock():
+            self._check_module_device()
+            return self._pipeline(inputs, kwargs, name)
+
+    def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward`` reached through ``torch.compile(wrapper)``: run as without it."""
+        warn_compiled_wrapper(self)
+        return self.forward(*inputs, **kwargs)
+
+    def _pipeline(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
+    ) -> Any:
         steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         outputs: list[Any] = []
@@ -214,18 +260,40 @@ class DataParallel(nn.DataParallel):
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
+        # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
+        share = COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, steps)
+        total = self._weight_total(plan, inputs, kwargs, steps) if share else 0.0
         for wave in plan.slices:
             args, kws, wave_devices, wave_sizes = self._scatter_wave(
                 plan, wave, inputs, kwargs, steps
             )
             if self.scalar_weights is not None:
                 weights.extend(chunk_weights(self.scalar_weights, args, kws))
+            if share:
+                counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
+                kws = shared_counts(kws, counted, total or float(sum(counted)))
             replicas = self._replicate_wave(wave_devices)
-            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers)
+            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers, method)
             devices += wave_devices
             sizes += wave_sizes
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
-        return self._gather_all(outputs, devices, sizes, weights, steps)
+        return self._gather_all(outputs, devices, sizes, weights, steps, method)
+
+    def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
+        """Whether this call's chunks each get their share of ``num_items_in_batch``."""
+        default_gather = (
+            self.gather_outputs and not steps.gather and not self.__dict__.get("output_rules")
+        )
+        chunks = sum(len(wave) for wave in plan.slices)
+        return shares_count(kwargs, self._modules["module"], self.scalars, default_gather, chunks)
+
+    def _weight_total(
+        self, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: _Overrides
+    ) -> float:
+        def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+            return self._scatter_wave(plan, wave, inputs, kwargs, steps)[:2]
+
+        return weight_total(plan.batch_size, plan.slices, self.scalar_weights, scatter)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
@@ -289,18 +357,23 @@ class DataParallel(nn.DataParallel):
         devices: list[torch.device],
         steps: _Overrides,
         timers: list[Any],
+        method: str | None = None,
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
+        options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
+        run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
+        if method is not None:  # train_step & co.: each replica runs its own method
+            run = [StepCall(replica, method) for replica in replicas]
         if steps.parallel_apply and not alone:
             # an override may call super().parallel_apply: it needs this wave's devices
             self.__dict__["_wave_devices"] = devices
             try:
-                outputs = self.parallel_apply(replicas, args, kws)
+                outputs = self.parallel_apply(run, args, kws)
             finally:
                 self.__dict__.pop("_wave_devices", None)
             timers += [float("nan")] * len(devices)
         else:
-            outputs = apply_replicas(replicas, args, kws, devices, timers)
+            outputs = apply_replicas(run, args, kws, devices, timers)
         if replicas[0] is not self.module:
             _copy_buffers_back(replicas[0], self.module)
         return outputs
@@ -312,6 +385,7 @@ class DataParallel(nn.DataParallel):
         sizes: list[int],
         weights: list[float],
         steps: _Overrides,
+        method: str | None = None,
     ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
@@ -324,7 +398,10 @@ class DataParallel(nn.DataParallel):
             None if steps.scatter else sizes,  # an override chose the chunks: read them
             self.scalars,
             weights or None,
-            self.__dict__.get("output_rules"),  # (a wrapper unpickled from before has none)
+            # (a wrapper unpickled from before has none)
+            self.__dict__.get("output_rules")
+            if method is None
+            else step_rules(outputs[0], self.__dict__.get("output_rules")),
             self._modules["module"],  # (past nn.Module.__getattr__, on every call)
         )
 
@@ -365,8 +442,12 @@ class DataParallel(nn.DataParallel):
         return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
-        """The plan this wrapper would follow for these arguments; runs nothing."""
-        return build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        """The plan this wrapper would follow for these arguments; runs nothing. Its notes say
+        how the call's outputs will be gathered where that is not the default."""
+        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        if COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, self._find_overrides()):
+            plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
+        return plan
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -407,6 +488,11 @@ class DataParallel(nn.DataParallel):
             self._warned.add(plan.warning_key)
             for message in plan.warnings:
                 warn_user(message)
+
+
+# What a copy or a pickle of a wrapper does not take (see __getstate__).
+_TRANSIENT = ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans", "_compiled_replicas")
+_NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
 
 
 class _Overrides(NamedTuple):

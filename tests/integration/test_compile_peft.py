@@ -24,18 +24,16 @@ def _sq(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-# dynamo cannot trace the worker pool's lock: it graph-breaks there and runs it eagerly
-@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
 @pytest.mark.parametrize("backend", ["aot_eager"])  # its backward runs AOT-traced graphs
-def test_compiling_the_wrapper_works(backend: str) -> None:
+def test_compile_option_compiles_every_replica(backend: str) -> None:
     torch._dynamo.reset()
     x = torch.randn(7, 6, generator=torch.Generator().manual_seed(0))
 
     def compiled(module: nn.Module, devices: list[str]) -> Any:
-        return torch.compile(dp.DataParallel(module, devices), backend=backend)
+        return dp.DataParallel(module, devices, compile={"backend": backend})
 
     check(
-        f"torch.compile(DataParallel) {backend}",
+        f"DataParallel(compile=) {backend}",
         _mlp(),
         (x,),
         {},
@@ -45,9 +43,32 @@ def test_compiling_the_wrapper_works(backend: str) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_compiling_the_wrapper_runs_it_eagerly_with_one_warning(backend: str) -> None:
+    """torch.compile(wrapper) cannot trace the pipeline (locks, threads): the wrapper runs
+    eagerly, right, and says once to use compile= instead."""
+    torch._dynamo.reset()
+    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(0))
+
+    def compiled(module: nn.Module, devices: list[str]) -> Any:
+        return torch.compile(dp.DataParallel(module, devices), backend=backend)
+
+    with pytest.warns(UserWarning, match=r"compiles none of the model") as rec:
+        check(
+            f"torch.compile(DataParallel) {backend}",
+            _mlp(),
+            (x,),
+            {},
+            _sq,
+            ["cpu", "cpu:1", "cpu:1"],
+            wrap=compiled,
+        )
+    assert not [w for w in rec if "Dynamo" in str(w.message)]
+
+
 def test_wrapping_a_compiled_module_fails_at_once_saying_what_to_do() -> None:
     compiled = torch.compile(_mlp(), backend="eager")
-    with pytest.raises(TypeError, match=r"torch.compile\(dp.DataParallel\(model\)\)"):
+    with pytest.raises(TypeError, match=r"dp.DataParallel\(model, devices, compile=True\)"):
         dp.DataParallel(compiled, ["cpu", "cpu"])
     in_place = _mlp()
     in_place.compile(backend="eager")

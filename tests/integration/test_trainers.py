@@ -57,8 +57,8 @@ class _Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def _trainer(model: nn.Module, out: Path, batch: int) -> Any:
-    args = transformers.TrainingArguments(
+def _trainer(model: nn.Module, out: Path, batch: int, **overrides: Any) -> Any:
+    settings: dict[str, Any] = dict(
         output_dir=str(out),
         per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch,
@@ -76,6 +76,7 @@ def _trainer(model: nn.Module, out: Path, batch: int) -> Any:
         disable_tqdm=True,
         seed=0,
     )
+    args = transformers.TrainingArguments(**{**settings, **overrides})
     return transformers.Trainer(
         model=model,
         args=args,
@@ -153,6 +154,37 @@ def test_trainer_save_model_writes_the_wrappers_keys(tmp_path: Path) -> None:
     again = dp.DataParallel(tiny_bert(num_labels=3), ["cpu", "cpu"])
     again.load_state_dict(state)
     _weights_equal(model, again.module, "Trainer.save_model into a wrapper")
+
+
+def test_trainer_checkpoints_load_into_the_plain_model_with_load_unwrapped(
+    tmp_path: Path,
+) -> None:
+    """Trainer's checkpoint-N folders and save_model hold module.* keys; from_pretrained
+    re-initialises every weight without an error; dp.load_unwrapped loads them exactly."""
+    ref_model = tiny_bert()
+    model = copy.deepcopy(ref_model)
+    trainer = _trainer(
+        dp.DataParallel(model, ["cpu", "cpu:1"]),
+        tmp_path,
+        5,
+        save_strategy="steps",
+        save_steps=STEPS,
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    cls, config = type(model), model.config  # type: ignore[union-attr]
+
+    naive = cls.from_pretrained(tmp_path / "saved")  # what users do, and what goes wrong
+    assert not torch.equal(naive.classifier.weight, model.classifier.weight)  # type: ignore[union-attr]
+
+    for folder in (tmp_path / "saved", tmp_path / f"checkpoint-{STEPS}"):
+        loaded = dp.load_unwrapped(folder, cls(config))
+        for (name, a), b in zip(
+            model.state_dict().items(), loaded.state_dict().values(), strict=True
+        ):
+            assert torch.equal(a, b), f"{folder.name}: {name}"
+    # a trained model, not the initial one
+    assert not torch.equal(ref_model.classifier.weight, model.classifier.weight)  # type: ignore[union-attr]
 
 
 def _accelerate_run(
@@ -285,3 +317,62 @@ def test_trainer_token_loss_with_num_items_in_batch(
     par = run(dp.DataParallel(model, devices, scalars="sum"), tmp_path / "par")
     assert par == pytest.approx(ref, abs=1e-5)
     _weights_equal(ref_model, model, f"Trainer gpt2 num_items_in_batch {devices}")
+
+
+def _lm_run(model: nn.Module, out: Path, batch: int) -> dict[str, Any]:
+    """Trainer on a causal LM with padded labels: train, evaluate, predict, all at defaults."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=batch,
+        max_steps=STEPS,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        label_names=["labels"],  # a wrapper's class names none (see the README)
+        use_cpu=True,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_LMRows(2 * batch), eval_dataset=_LMRows(batch + 2)
+    )
+    assert trainer.model_accepts_loss_kwargs
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "losses": losses,
+        "metrics": trainer.evaluate(),
+        "pred": trainer.predict(_LMRows(batch + 3)),
+    }
+
+
+@pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
+def test_trainer_causal_lm_is_exact_by_default(
+    devices: list[str], batch: int, tmp_path: Path
+) -> None:
+    """Trainer passes num_items_in_batch in training and in evaluate/predict (transformers
+    5.24): with the default scalars each replica gets its share of the count, so logged losses,
+    eval_loss, predictions and every trained weight equal the one-device Trainer's."""
+    from ._models import tiny_gpt2
+
+    ref_model = tiny_gpt2()
+    ref_model.config.use_cache = False
+    model = copy.deepcopy(ref_model)
+    ref = _lm_run(ref_model, tmp_path / "one", batch)
+    par = _lm_run(dp.DataParallel(model, devices), tmp_path / "par", batch)
+    assert len(par["losses"]) == STEPS
+    assert par["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert par["metrics"]["eval_loss"] == pytest.approx(ref["metrics"]["eval_loss"], rel=1e-5)
+    assert par["pred"].metrics["test_loss"] == pytest.approx(
+        ref["pred"].metrics["test_loss"], rel=1e-5
+    )
+    want, got = ref["pred"].predictions, par["pred"].predictions
+    want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
+    assert got.shape == want.shape and got.shape[0] == batch + 3
+    compare(torch.from_numpy(want), torch.from_numpy(got), "predictions")
+    _weights_equal(ref_model, model, f"Trainer gpt2 default {devices}")

@@ -1,17 +1,22 @@
-"""``dataparallel.replicate._compiled``: a module compiled as a whole is not replicated.
+"""``dataparallel.replicate._compiled``: ``compile=`` compiles every replica; a module
+compiled as a whole is not replicated; ``torch.compile(wrapper)`` says what to do instead.
 
 A ``torch.compile`` result's forward is bound to the original module, so replicas of it would
 all run that one module; ``DataParallel`` refuses it over two or more replicas and names the
-fix, and accepts it on one (the module itself runs, as on one device).
+fix (``compile=True``), and accepts it on one (the module itself runs, as on one device).
 """
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import dataparallel as dp
+from _close import assert_close_rel
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
 
 CPU2 = [torch.device("cpu")] * 2
@@ -27,7 +32,7 @@ def test_a_torch_compile_result_is_refused_over_two_replicas() -> None:
     assert compiled_class() is type(compiled)
     with pytest.raises(TypeError, match=r"torch\.compile\(\.\.\.\) result") as info:
         dp.DataParallel(compiled, CPU2)
-    assert "torch.compile(dp.DataParallel(model))" in str(info.value)
+    assert "dp.DataParallel(model, devices, compile=True)" in str(info.value)
     assert "over 2 replicas" in str(info.value)
 
 
@@ -61,3 +66,117 @@ def test_eager_modules_and_compiled_children_pass() -> None:
     check_not_compiled(model, CPU2)
     model[0] = torch.compile(model[0], backend="eager")  # a child: each replica copies it
     check_not_compiled(model, CPU2)
+
+
+# -- compile=: every replica's forward compiled ---------------------------------------------
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
+
+
+class Counting:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self) -> None:
+        self.graphs: list[int] = []  # call_module/call_function nodes per graph
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.graphs.append(sum(n.op in ("call_function", "call_module") for n in gm.graph.nodes))
+        return gm.forward
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+def test_compile_compiles_every_replica_once_and_trains_as_one_device(
+    devices: list[str],
+) -> None:
+    torch._dynamo.reset()
+    backend = Counting()
+    model = _model()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices, compile={"backend": backend})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(7, 4, generator=gen)
+        out, ref = wrapper(x), oracle(x)
+        assert_close_rel(out, ref, msg=f"step {step} output")
+        out.pow(2).mean().backward()
+        ref.pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), oracle.parameters(), strict=True):
+            assert_close_rel(p.grad, q.grad, msg=f"step {step} {name}")  # type: ignore[arg-type]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if step == 0:
+            first = list(backend.graphs)
+    # at most one graph per replica, each with every layer (3 modules' ops), none made again
+    assert 1 <= len(first) <= len(devices) and all(n >= 3 for n in first)
+    assert backend.graphs == first
+    # the user's module is not changed: not compiled in place, same keys
+    assert model.__dict__.get("_compiled_call_impl") is None
+    assert list(model.state_dict()) == list(oracle.state_dict())
+    assert list(wrapper.state_dict()) == [f"module.{k}" for k in oracle.state_dict()]
+
+
+def test_compile_on_one_device_compiles_the_module_itself() -> None:
+    torch._dynamo.reset()
+    backend = Counting()
+    model = _model()
+    x = torch.randn(5, 4)
+    out = dp.DataParallel(model, ["cpu"], compile={"backend": backend})(x)
+    torch.testing.assert_close(out, model(x))
+    assert len(backend.graphs) == 1 and type(model) is nn.Sequential
+
+
+def test_compile_options_are_checked_at_construction() -> None:
+    assert dp.DataParallel(_model(), CPU2, compile=True).compile_options == {}
+    assert dp.DataParallel(_model(), CPU2).compile_options is None
+    with pytest.raises(TypeError, match=r"compile: expected True, False or a dict"):
+        dp.DataParallel(_model(), CPU2, compile="inductor")  # type: ignore[arg-type]
+    with pytest.raises(Exception, match=r"compile: torch.compile refused .*no_such_backend"):
+        dp.DataParallel(_model(), CPU2, compile={"backend": "no_such_backend"})
+
+
+def test_a_copied_wrapper_keeps_compile() -> None:
+    torch._dynamo.reset()
+    backend = Counting()
+    wrapper = dp.DataParallel(_model(), CPU2, compile={"backend": backend})
+    wrapper(torch.randn(4, 4))
+    again = copy.deepcopy(wrapper)
+    copied = again.compile_options["backend"]  # deepcopy copied the backend object too
+    assert isinstance(copied, Counting) and copied is not backend
+    before = len(copied.graphs)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(again(x), again.module(x))
+    assert len(copied.graphs) > before  # the copy compiles its own replicas
+
+
+def test_compiling_the_wrapper_warns_once_with_the_fix_and_runs_eagerly() -> None:
+    """torch.compile(wrapper) cannot trace the pipeline: it used to graph-break into tiny
+    graphs with dynamo's warnings; now it compiles nothing, warns once naming compile=, and
+    gives the one-device result."""
+    torch._dynamo.reset()
+    backend = Counting()
+    model = _model()
+    compiled = torch.compile(dp.DataParallel(model, CPU2), backend=backend)
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"compiles none of the model.*compile=True") as rec:
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(rec) == 1, [str(w.message) for w in rec]
+    assert backend.graphs == []
+
+
+def test_compiling_a_wrapper_made_with_compile_says_it_adds_nothing() -> None:
+    torch._dynamo.reset()
+    backend = Counting()
+    model = _model()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu:1"], compile={"backend": backend})
+    outer = torch.compile(wrapper, backend="eager")
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match=r"adds nothing.*drop the outer torch.compile") as rec:
+        for _ in range(2):
+            torch.testing.assert_close(outer(x), model(x))
+    assert len(rec) == 1
+    assert 1 <= len(backend.graphs) <= 2  # the replicas are compiled all the same

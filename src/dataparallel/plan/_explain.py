@@ -205,6 +205,10 @@ def format_plan(p: Planned) -> str:
         )
         for w in p.warnings
     )
+    lines.extend(
+        textwrap.fill(w, width=100, initial_indent="note: ", subsequent_indent="  ")
+        for w in getattr(p, "notes", ())
+    )
     return "\n".join(lines)
 
 

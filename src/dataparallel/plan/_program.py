@@ -183,6 +183,8 @@ class Plan:
         decided_by: how ``B`` was decided (``batch_size=``, a ``dp.Split``, a vote).
         warnings: the messages a call with this plan warns with (inputs broadcast because
             their size is not ``B``).
+        notes: what ``explain`` adds about the call beyond the split (a loss that will be
+            summed, not averaged, because the call passes ``num_items_in_batch``).
     """
 
     batch_size: int
@@ -195,6 +197,7 @@ class Plan:
     decided_by: str
     dim: int
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     dtype: torch.dtype | None = None
     # What scatter runs, and the call's arguments it runs on.
     program: Program | None = field(default=None, repr=False)

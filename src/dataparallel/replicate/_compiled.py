@@ -1,22 +1,43 @@
-"""``torch.compile`` and DataParallel: which order works, and a clear error for the other.
+"""``torch.compile`` and DataParallel: ``compile=``, and clear answers for the other orders.
 
-``torch.compile(model)`` returns an ``OptimizedModule`` whose ``forward`` is a compiled
-function bound to the original ``model``; ``model.compile()`` stores one bound the same way.
-A replica copies that binding, so every replica would run the original module: on one device
-all of them would write its buffers at once, on other devices its parameters would be in the
-wrong place. So ``DataParallel`` refuses such a module on more than one replica, at once, and
-says what works instead: compile the wrapper, ``torch.compile(dp.DataParallel(model))``.
+``dp.DataParallel(model, devices, compile=True)`` (or ``compile={torch.compile kwargs}``)
+compiles every replica's forward, replica 0 (the module itself) included: the wrapper compiles
+one function that calls a replica given as its argument (``CompiledReplicas``), so the copies
+share one graph and a warm wrapper compiles nothing per call. The user's module is not changed.
+
+The other orders do not work, and say so:
+
+- ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``forward`` is a compiled
+  function bound to the original ``model``; ``model.compile()`` stores one bound the same way.
+  A replica copies that binding, so every replica would run the original module: on one device
+  all of them would write its buffers at once, on other devices its parameters would be in the
+  wrong place. So ``DataParallel`` refuses such a module on more than one replica, at once.
+- ``torch.compile(dp.DataParallel(model))`` traces the wrapper's pipeline, which dynamo cannot
+  compile (locks, threads): it used to graph-break into a few tiny graphs and run every layer
+  eagerly. The wrapper's forward now runs outside dynamo when traced, and warns once with the
+  fix, ``compile=``.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_not_compiled", "compiled_class"]
+from dataparallel._warn import warn_user
+
+__all__ = [
+    "CompiledReplica",
+    "CompiledReplicas",
+    "check_compile_option",
+    "check_not_compiled",
+    "compiled_class",
+    "warn_compiled_wrapper",
+]
 
 
 def compiled_class() -> type | None:
@@ -49,6 +70,116 @@ def check_not_compiled(module: nn.Module, devices: Sequence[torch.device]) -> No
         f"module: expected an eager module to replicate over {len(devices)} replicas, got "
         f"{found}: its compiled forward is bound to the original module, so every replica "
         f"would run that one module (racing on its buffers, or on the wrong device); fix: "
-        f"compile the wrapper instead, torch.compile(dp.DataParallel(model)), or pass the "
-        f"eager model (torch.compile(model)._orig_mod)"
+        f"compile the wrapper instead: pass the eager model with compile=True, "
+        f"dp.DataParallel(model, devices, compile=True) (for a torch.compile result, its "
+        f"eager model is model._orig_mod)"
+    )
+
+
+def check_compile_option(value: Any) -> dict[str, Any] | None:
+    """``compile=`` as ``torch.compile`` keyword arguments (``True``: none), or ``None`` for
+    ``False``; a TypeError naming what to pass otherwise."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        options = dict(value)
+        try:  # torch.compile checks its arguments (the backend's name) when called: now
+            torch.compile(nn.Identity(), **options)
+        except Exception as exc:
+            raise type(exc)(
+                f"compile: torch.compile refused {options!r}: {exc}; pass keyword arguments "
+                f"of torch.compile, e.g. {{'backend': 'inductor', 'mode': 'reduce-overhead'}}"
+            ) from exc
+        return options
+    raise TypeError(
+        f"compile: expected True, False or a dict of torch.compile keyword arguments, got "
+        f"{type(value).__name__} {value!r:.60}; pass e.g. compile=True or "
+        f"compile={{'backend': 'inductor', 'mode': 'max-autotune'}}"
+    )
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What each wrapper compiles: one replica's call, the replica an argument."""
+    return module(*args, **kwargs)
+
+
+class CompiledReplica(nn.Module):
+    """One replica run through its wrapper's compiled call (an ``nn.Module``, so the pool runs
+    it as it runs a replica; the replica is its child, so its parameters are found)."""
+
+    def __init__(self, replica: nn.Module, call: Any) -> None:
+        super().__init__()
+        self.replica = replica
+        self.__dict__["_run"] = (call, replica)  # read without nn.Module's __getattr__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call, replica = self.__dict__["_run"]
+        return call(replica, *args, **kwargs)
+
+
+class CompiledReplicas:
+    """A wrapper's compiled call, and each replica's ``CompiledReplica``, kept while in use.
+
+    One ``torch.compile`` per wrapper, the replica an argument: replicas of one layout (the
+    copies on other devices) share one graph, replica 0 (the module itself, whose parameters
+    are registered differently) has its own, and a warm wrapper compiles nothing per call.
+    dynamo keeps graphs, and its limit on recompilations, per code object: each table
+    compiles a code object of its own, so wrappers do not share that budget. Replicas are
+    reused while the module's structure holds; a set rebuilt after a change gets new entries,
+    and the table then forgets replicas no longer in use.
+    """
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self.source = options  # the wrapper's dict, to tell when it is replaced
+        self.options = dict(options)
+        code = _call.__code__.replace()  # a copy: a code object of this table's own
+        own = types.FunctionType(code, _call.__globals__, "compiled_replica_call")
+        self.call = torch.compile(own, **self.options)
+        self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
+
+    @classmethod
+    def of(cls, wrapper: nn.Module, options: dict[str, Any]) -> CompiledReplicas:
+        """The wrapper's table for these options (made again if they were replaced)."""
+        table: CompiledReplicas | None = wrapper.__dict__.get("_compiled_replicas")
+        if table is None or table.source is not options:
+            table = wrapper.__dict__["_compiled_replicas"] = cls(options)
+        return table
+
+    def wrap(self, replicas: Sequence[nn.Module]) -> list[nn.Module]:
+        """Each replica as a module that runs it through the compiled call, in order."""
+        table = self._table
+        out = []
+        for replica in replicas:
+            entry = table.get(id(replica))
+            if entry is None or entry[0] is not replica:
+                entry = table[id(replica)] = (replica, CompiledReplica(replica, self.call))
+                if len(table) > 4 * len(replicas) + 8:  # old sets: keep only this call's
+                    keep = {id(r) for r in replicas}
+                    for key in [k for k in table if k not in keep]:
+                        del table[key]
+            out.append(entry[1])
+        return out
+
+
+def warn_compiled_wrapper(wrapper: nn.Module) -> None:
+    """Once per wrapper: ``torch.compile(wrapper)`` runs the wrapper eagerly, compiling none of
+    the module; ``compile=`` is the way that does."""
+    if wrapper.__dict__.get("_warned_compiled"):
+        return
+    wrapper.__dict__["_warned_compiled"] = True
+    if wrapper.__dict__.get("compile_options") is not None:
+        warn_user(
+            "torch.compile(dp.DataParallel(..., compile=...)) adds nothing: the wrapper's "
+            "scatter, threads and gather run eagerly, and its replicas are compiled by "
+            "compile= already; drop the outer torch.compile"
+        )
+        return
+    warn_user(
+        "torch.compile(dp.DataParallel(...)) compiles none of the model: the wrapper's "
+        "scatter, threads and gather cannot be traced, so it runs eagerly, and so would every "
+        "replica; fix: let the wrapper compile each replica's forward, "
+        "dp.DataParallel(model, devices, compile=True), or compile={'backend': ...} with "
+        "torch.compile's keyword arguments"
     )

@@ -474,8 +474,8 @@ class Replicas:
         warn_user(
             f"module: a compiled submodule ({what}) is replicated as its eager module: replica 0 "
             f"(the module itself) runs it compiled, replicas 1 to {len(self.devices) - 1} run "
-            f"their own copies eagerly; to compile every replica, compile the wrapper instead: "
-            f"torch.compile(dp.DataParallel(model))"
+            f"their own copies eagerly; to compile every replica, let the wrapper compile them: "
+            f"dp.DataParallel(model, devices, compile=True)"
         )
 
     def _sync_custom(
