@@ -13,7 +13,8 @@ Two kinds of outputs look alike across replicas while meaning different things:
 ``output_rules={path: rule}`` says it outright for one output, by the path the messages print
 (``"output[1][0]"``, ``"output['n']"``, ``"output.logits"``): an int is the output's batch
 dimension (concatenated along it), ``"sum"``, ``"mean"`` or ``"stack"`` reduce it across
-replicas, ``"same"`` keeps one copy (the replicas must agree), ``"list"`` keeps one per replica.
+replicas, ``"all"`` and ``"any"`` reduce booleans (elementwise for tensors), ``"same"`` keeps one
+copy (the replicas must agree), ``"list"`` keeps one per replica.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
     "warn_unmatched",
 ]
 
-RULE_NAMES = ("sum", "mean", "stack", "same", "list")
+RULE_NAMES = ("sum", "mean", "stack", "same", "list", "all", "any")
 
 
 def check_output_rules(rules: Any) -> dict[str, int | str] | None:

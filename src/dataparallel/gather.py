@@ -90,6 +90,8 @@ class _Context:
         "counts",
         "dim",
         "module",
+        "origins",
+        "roles",
         "rules",
         "scalars",
         "seen",
@@ -122,6 +124,10 @@ class _Context:
         self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
+        self.origins: Any = None  # a _origins.Origins: which scalars each replica received
+        # Paths where an RNN layer puts its output ("sequence") and state ("state"): the items
+        # of a pair (tensor, state), state a tensor or a pair (h_n, c_n). Made on first need.
+        self.roles: dict[Any, str] | None = None
         self.states: frozenset[tuple[int, int]] | None = None  # read from module when needed
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
@@ -170,8 +176,9 @@ def gather(
             (its loss may be NaN: a chunk with no labelled token). All zero: sizes are used.
         output_rules: ``{path: rule}`` for outputs the rules cannot read from shapes and
             values, by the path the messages print (``"output[1][0]"``): an int is the
-            output's batch dimension, ``"sum"``, ``"mean"``, ``"stack"`` reduce it, ``"same"``
-            keeps one copy (the replicas must agree), ``"list"`` keeps one per replica.
+            output's batch dimension, ``"sum"``, ``"mean"``, ``"stack"`` reduce it (one shape
+            on every replica), ``"all"``, ``"any"`` reduce booleans, ``"same"`` keeps one copy
+            (the replicas must agree), ``"list"`` keeps one per replica.
         module: the module that made the outputs; its RNN layers tell a hidden state
             ``(layers*directions, batch, hidden)`` from a batched output where an even
             split makes the two shapes alike.
@@ -219,6 +226,7 @@ def gather_outputs(
     scalar_weights: Sequence[float] | None = None,
     output_rules: Mapping[str, int | str] | None = None,
     module: nn.Module | None = None,
+    origins: Any = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -227,7 +235,9 @@ def gather_outputs(
     One replica's output comes back as the module gave it (tensors moved to ``target``) unless
     ``"stack"`` or ``output_rules`` ask for more; outputs that are all plain tensors batched
     along ``dim`` are concatenated (rule 1); anything else takes the rules' walk. ``sizes`` is
-    ``None`` when the chunk sizes are not known (read from the outputs then).
+    ``None`` when the chunk sizes are not known (read from the outputs then). ``origins`` (a
+    ``dataparallel._origins.Origins``) tells a buffer or input each replica received from a
+    value it computed, for scalars that are not one object on every replica.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -246,6 +256,7 @@ def gather_outputs(
             target, dim, None if sizes is None else tuple(sizes), scalars, len(outputs), weights
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
+        ctx.origins = origins
         out = _gather(outputs, None, ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
@@ -316,7 +327,7 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         values = [v.to(ctx.target) for v in values]
-    if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, ctx):
+    if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
         if arrays_equal(values):
@@ -332,10 +343,16 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
 
 
-def _hidden_state(values: list[Any], ctx: _Ctx) -> bool:
+def _hidden_state(values: list[Any], path: _Path, ctx: _Ctx) -> bool:
     """Whether 3-d outputs are an RNN state, batch on dim 1: dim 0 the same on every replica,
     dim 1 each replica's chunk size, and either the shape of one of the module's RNN states,
-    or (no RNN says so) not also batched on dim 0 and not equal on every replica (a constant)."""
+    or (no RNN says so) not also batched on dim 0 and not equal on every replica (a constant).
+
+    Where dim 0 is each replica's chunk size too (an even split whose chunk size is
+    ``layers*directions``), both readings fit the shapes. An output where an RNN layer returns
+    its state (``_note_roles``) of a state's shape is a state; any other is batched on dim 0,
+    torch's reading, with a warning when it has a state's shape (a ``Linear`` after a
+    batch-first GRU)."""
     first = values[0]
     if first.ndim != 3:
         return False
@@ -343,11 +360,45 @@ def _hidden_state(values: list[Any], ctx: _Ctx) -> bool:
     for v, size in zip(values, ctx.sizes, strict=True):
         if v.ndim != 3 or v.shape[0] != lead or v.shape[1] != size:
             return False
-    if (lead, first.shape[2]) in ctx.state_shapes():
-        return True
-    if all(lead == size for size in ctx.sizes):
+    state_shape = (lead, first.shape[2]) in ctx.state_shapes()
+    if not all(lead == size for size in ctx.sizes):
+        return state_shape or not arrays_equal(values)  # dim 0 is not batched: decided
+    if not state_shape:
         return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
-    return not arrays_equal(values)
+    role = None if ctx.roles is None else ctx.roles.get(path)
+    if role == "state":
+        return True
+    if role != "sequence":
+        _warn_tie(values, path, ctx)
+    return False
+
+
+def _warn_tie(values: list[Any], path: _Path, ctx: _Ctx) -> None:
+    where = fmt(path)
+    shape = tuple(values[0].shape)
+    total = (sum(ctx.sizes), *shape[1:])
+    warn_user(
+        f"{where}: every replica returned shape {shape}, whose dims 0 and 1 both equal the "
+        f"chunk size ({shape[0]}), and which is also the shape of the module's RNN hidden "
+        f"state (layers*directions, batch, hidden); read it as batched on dim 0, as torch "
+        f"does, giving {total}. If it is an RNN state (batch on dim 1), pass "
+        f"output_rules={{{where!r}: 1}}; output_rules={{{where!r}: 0}} says it is batched on "
+        f"dim 0 and silences this"
+    )
+
+
+def _note_roles(first: tuple[Any, ...], path: _Path, ctx: _Ctx) -> None:
+    """Record where an RNN layer's return puts its output and its state: in a pair whose first
+    item is a tensor, the second is a state, or a pair of states (an LSTM's ``(h_n, c_n)``)."""
+    roles = ctx.roles
+    if roles is None:
+        if not (isinstance(first[0], torch.Tensor) and first[0].ndim == 3):
+            return  # no RNN output here, and no state around it
+        roles = ctx.roles = {}
+    if roles.get(path) == "state":  # (h_n, c_n)
+        roles[(path, "[", 0)] = roles[(path, "[", 1)] = "state"
+    elif isinstance(first[0], torch.Tensor) and first[0].ndim == 3:
+        roles[(path, "[", 0)], roles[(path, "[", 1)] = "sequence", "state"
 
 
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
@@ -420,10 +471,50 @@ def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> An
     if rule == "stack":
         return torch.stack([torch.as_tensor(v, device=ctx.target) for v in values])
     moved = [to_target(v, ctx.target, None) for v in values]
+    if rule in ("all", "any"):
+        return _reduce_booleans(moved, where, rule)
+    _check_same_shapes(moved, where, rule)
     if rule == "sum":
         return sum_all(moved)
     # "mean": chunk-weighted (numbers, tensors elementwise), as scalars="mean" weighs losses
     return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
+
+
+def _reduce_booleans(values: list[Any], where: str, rule: str) -> Any:
+    """``output_rules``' ``"all"`` and ``"any"``: Python's for bools, elementwise for tensors
+    and ndarrays of one shape (a 0-dim bool tensor stays one)."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        _check_same_shapes(values, where, rule)
+        stacked = torch.stack([v.bool() for v in values])
+        return stacked.all(0) if rule == "all" else stacked.any(0)
+    if all(isinstance(v, np.ndarray) for v in values):
+        _check_same_shapes(values, where, rule)
+        return np.all(values, axis=0) if rule == "all" else np.any(values, axis=0)
+    if any(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values):
+        raise ValueError(
+            f"{where}: output_rules says {rule!r}, but the replicas returned "
+            f"{[type(v).__name__ for v in values]}; expected booleans, or tensors or ndarrays "
+            f"of one shape. Return one kind on every replica"
+        )
+    found = [bool(v) for v in values]
+    return all(found) if rule == "all" else any(found)
+
+
+def _check_same_shapes(values: list[Any], where: str, rule: str) -> None:
+    """A reduction across replicas needs one shape: broadcasting ``(1, 5)`` with ``(1, 2, 5)``
+    would make a value no device returned."""
+    shapes = [tuple(v.shape) for v in values if isinstance(v, (torch.Tensor, np.ndarray))]
+    if len(set(shapes)) > 1:
+        listing = ", ".join(
+            f"replica {i} has shape {tuple(v.shape)}"
+            for i, v in enumerate(values)
+            if isinstance(v, (torch.Tensor, np.ndarray))
+        )
+        raise ValueError(
+            f"{where}: output_rules says {rule!r}, but the replicas' shapes differ: {listing}; "
+            f"expected one shape on every replica (nothing is broadcast). Return the same "
+            f"shape on every replica, or give the output's batch dimension (an int) or 'list'"
+        )
 
 
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -453,15 +544,29 @@ def _mismatch(path: _Path, what: str, found: list[Any]) -> ValueError:
 
 
 def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 4: per-sample lists are concatenated; same-length lists are structure."""
+    """Rule 4: per-sample lists are concatenated; same-length lists are structure. Where the
+    chunk sizes are unknown (``gather`` without ``chunk_sizes`` on outputs with no batched
+    tensor), nothing tells the two apart: the replicas' lists are concatenated in replica
+    order (accelerate's ``gather_object``), except lists of 0-dim tensors (losses, metrics)."""
     first = values[0]
-    if ctx.sizes is not None and _per_sample(values, ctx.sizes, ctx.dim):
+    if ctx.sizes is None:
+        if not _all_scalar_tensors(values):
+            return _concat_lists(values, path, ctx)
+    elif _per_sample(values, ctx.sizes, ctx.dim):
         return _concat_lists(values, path, ctx)
     n = len(first)
     if any(len(v) != n for v in values):
         return _concat_lists(values, path, ctx)
     items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
     return rebuild_at(path, rebuild_sequence, first, items)
+
+
+def _all_scalar_tensors(values: list[Any]) -> bool:
+    """Whether every replica's list is non-empty and holds only 0-dim tensors or ndarrays."""
+    return all(
+        value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value)
+        for value in values
+    )
 
 
 def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
@@ -510,6 +615,8 @@ def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     n = len(first)
     if any(len(v) != n for v in values):
         raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
+    if n == 2 and type(first) is tuple and ctx.sizes is not None:
+        _note_roles(first, path, ctx)  # where an RNN's (output, state) may be
     names = getattr(type(first), "_fields", None)
     items = [
         _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dataparallel._losses import ScalarWeights, chunk_weights
+from dataparallel._origins import Origins
 from dataparallel._output_rules import check_output_rules
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
@@ -70,8 +71,8 @@ class DataParallel(nn.DataParallel):
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
-            ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
-            replica). Ignored when ``gather`` is overridden.
+            ``"sum"``, ``"mean"``, ``"stack"``, ``"all"`` or ``"any"`` (booleans), ``"same"``
+            (one copy) or ``"list"`` (one per replica). Ignored when ``gather`` is overridden.
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -214,6 +215,11 @@ class DataParallel(nn.DataParallel):
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
+        # What each output's replica received, for gather to tell a buffer or input passed
+        # through from a value computed per chunk (read only when a scalar needs it).
+        chunk_args: list[Any] = []
+        chunk_kws: list[Any] = []
+        chunk_replicas: list[nn.Module] = []
         for wave in plan.slices:
             args, kws, wave_devices, wave_sizes = self._scatter_wave(
                 plan, wave, inputs, kwargs, steps
@@ -224,8 +230,22 @@ class DataParallel(nn.DataParallel):
             outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers)
             devices += wave_devices
             sizes += wave_sizes
+            chunk_args += args
+            chunk_kws += kws
+            chunk_replicas += replicas
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
-        return self._gather_all(outputs, devices, sizes, weights, steps)
+        origins = (
+            Origins(
+                self._modules["module"],  # type: ignore[arg-type]
+                chunk_replicas,
+                None if steps.scatter else plan.program,
+                chunk_args,
+                chunk_kws,
+            )
+            if len(outputs) > 1
+            else None
+        )
+        return self._gather_all(outputs, devices, sizes, weights, steps, origins)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
@@ -312,6 +332,7 @@ class DataParallel(nn.DataParallel):
         sizes: list[int],
         weights: list[float],
         steps: _Overrides,
+        origins: Origins | None = None,
     ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
@@ -326,6 +347,7 @@ class DataParallel(nn.DataParallel):
             weights or None,
             self.__dict__.get("output_rules"),  # (a wrapper unpickled from before has none)
             self._modules["module"],  # (past nn.Module.__getattr__, on every call)
+            origins,
         )
 
     # -- torch's overridable steps ----------------------------------------------------------
