@@ -433,6 +433,44 @@ def test_lists_of_other_lengths_are_concatenated() -> None:
     assert gather(parts, "cpu")[1] == ["a", "b", "c", "d"]
 
 
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [
+        ([[0], [1]], [0, 1]),
+        ([[{"id": 0}], [{"id": 1}]], [{"id": 0}, {"id": 1}]),
+        ([[0, 1], [2, 3]], [0, 1, 2, 3]),
+        ([["a"], ["b"], ["c", "d"]], ["a", "b", "c", "d"]),
+        ([([0.5],), ([0.25],)], ([0.5, 0.25],)),
+    ],
+)
+def test_without_chunk_sizes_lists_are_joined_in_replica_order(parts: Any, expected: Any) -> None:
+    # issue 29, item 15: no tensor says the chunk sizes, so nothing tells a per-sample list
+    # from structure: each replica's list is kept whole, in replica order (gather_object's)
+    assert gather(parts, "cpu") == expected
+
+
+def test_without_chunk_sizes_lists_of_scalar_tensors_are_still_structure() -> None:
+    parts = [[torch.tensor(1.0), torch.tensor(2.0)], [torch.tensor(3.0), torch.tensor(4.0)]]
+    out = gather(parts, "cpu")
+    assert [float(t) for t in out] == [2.0, 3.0]  # two metrics, each averaged
+
+
+def test_with_chunk_sizes_lists_follow_them() -> None:
+    assert gather([[0], [1]], "cpu", chunk_sizes=[1, 1]) == [0, 1]  # per-sample
+    assert gather([[0, 1], [2, 3]], "cpu", chunk_sizes=[3, 3]) == [2, 4]  # structure: counts
+
+
+@pytest.mark.parametrize("rule", ["sum", "mean"])
+def test_sum_and_mean_rules_refuse_shapes_that_differ(rule: str) -> None:
+    parts = [torch.ones(1, 5), torch.ones(1, 2, 5)]  # (1, 5) + (1, 2, 5) would broadcast
+    with pytest.raises(ValueError, match=rf"output: output_rules says '{rule}'") as info:
+        gather(parts, "cpu", output_rules={"output": rule})
+    message = str(info.value)
+    assert "replica 0 has shape (1, 5)" in message and "replica 1 has shape (1, 2, 5)" in message
+    same = gather([torch.ones(2, 5), torch.full((2, 5), 3.0)], "cpu", output_rules={"output": rule})
+    assert torch.equal(same, torch.full((2, 5), 4.0 if rule == "sum" else 2.0))
+
+
 # -------------------------------------------------------------------------- rule 5
 
 
