@@ -24,27 +24,28 @@ from dataparallel.plan._program import BroadcastCut, Program, Rebuild, Step
 
 __all__: list[str] = []
 
-# Names of the module's 0-dim buffers and parameters, by replica set (weakly held, so replicas
-# the user drops are freed).
-_SCALAR_NAMES: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+# Where replica 0 keeps its 0-dim buffers and parameters, by replica set (weakly held, so
+# replicas the user drops are freed).
+_SCALAR_PLACES: weakref.WeakKeyDictionary[nn.Module, list[tuple[dict[str, Any], str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class Origins:
-    """What one call's replicas were given: the module (for its tensors' names), each output's
-    replica, and, when the built-in scatter made the chunks, the plan's program and each
-    chunk's arguments (for its broadcast inputs)."""
+    """What one call's replicas were given: each output's replica (for its buffers and
+    parameters, by name), and, when the built-in scatter made the chunks, the plan's program
+    and each chunk's arguments (for its broadcast inputs)."""
 
-    __slots__ = ("_inputs", "args", "kwargs", "module", "program", "replicas")
+    __slots__ = ("_inputs", "args", "kwargs", "program", "replicas")
 
     def __init__(
         self,
-        module: nn.Module,
         replicas: Sequence[nn.Module],
         program: Program | None,
         args: Sequence[Any],
         kwargs: Sequence[Any],
     ) -> None:
-        self.module, self.replicas = module, replicas
+        self.replicas = replicas
         self.program, self.args, self.kwargs = program, args, kwargs
         self._inputs: list[dict[int, tuple[int, int]]] | None = None
 
@@ -59,13 +60,14 @@ class Origins:
 
     def _same_tensor(self, values: Sequence[Any]) -> bool:
         # Found once per replica set: its last replica is rebuilt when the module's structure
-        # changes (a buffer registered), so a name list kept with it is never stale.
+        # changes (a buffer registered), so what is kept with it is never stale.
         key = self.replicas[-1]
-        names = _SCALAR_NAMES.get(key)
-        if names is None:
-            names = _SCALAR_NAMES[key] = _scalar_names(self.module)
-        for name in names:
-            if _tensor_at(self.replicas[0], name) is values[0]:
+        places = _SCALAR_PLACES.get(key)
+        if places is None:
+            places = _SCALAR_PLACES[key] = _scalar_places(self.replicas[0])
+        first = values[0]
+        for table, last, name in places:
+            if table.get(last) is first:  # replica 0's buffer or parameter, read now
                 return all(
                     _tensor_at(r, name) is v for r, v in zip(self.replicas, values, strict=True)
                 )
@@ -85,10 +87,17 @@ class Origins:
         return keys[0] is not None and all(k == keys[0] for k in keys)
 
 
-def _scalar_names(module: nn.Module) -> tuple[str, ...]:
-    found = [n for n, t in module.named_buffers() if t is not None and t.ndim == 0]
-    found += [n for n, p in module.named_parameters() if p.ndim == 0]
-    return tuple(found)
+def _scalar_places(module: nn.Module) -> list[tuple[dict[str, Any], str, str]]:
+    """``(table, key, name)`` of each 0-dim buffer and parameter: the submodule's own
+    ``_buffers`` or ``_parameters`` dict (never the module, which must stay free to be
+    dropped), so a call reads each with one ``dict.get``, even after it was replaced."""
+    places: list[tuple[dict[str, Any], str, str]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for table in (sub._buffers, sub._parameters):
+            for key, tensor in table.items():
+                if tensor is not None and tensor.ndim == 0:
+                    places.append((table, key, f"{prefix}.{key}" if prefix else key))
+    return places
 
 
 def _tensor_at(module: nn.Module, name: str) -> Any:

@@ -236,7 +236,6 @@ class DataParallel(nn.DataParallel):
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
         origins = (
             Origins(
-                self._modules["module"],  # type: ignore[arg-type]
                 chunk_replicas,
                 None if steps.scatter else plan.program,
                 chunk_args,
