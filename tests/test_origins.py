@@ -6,7 +6,9 @@ device; ``cpu:1`` lists give each replica its own copy, so identity alone cannot
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -150,3 +152,15 @@ def test_booleans_that_differ_are_refused_or_reduced_as_the_rule_says(devices: l
         got = dp.DataParallel(Finite(), devices, output_rules={"output[1]": rule})(x)
         assert got[1].dtype == torch.bool and bool(got[1]) is (rule == "any")
     assert bool(Finite()(x)[1]) is False
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_dropped_module_is_freed_after_a_count_was_looked_up(devices: list[str]) -> None:
+    model = Step()
+    ref = weakref.ref(model)
+    wrapper = dp.DataParallel(model, devices)
+    out = wrapper(torch.randn(4, 3))
+    assert int(out[1]) == 5  # the buffer was looked up by name, so its place is kept
+    del model, wrapper, out
+    gc.collect()
+    assert ref() is None
