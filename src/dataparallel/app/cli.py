@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import math
 import os
 import sys
@@ -32,12 +33,119 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse's parser with the house's errors: one line, what was found, what was expected
+    and the fix, "did you mean" where a close name exists; abbreviations are refused (each
+    subcommand's parser is one of these too, made with ``allow_abbrev=False``)."""
+
     def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage and exits; we want one line, so raise instead. A
         # subcommand's errors name it ("train: ..."); the top level's need no name, as the line
-        # already starts with "dataparallel: error:".
+        # already starts with "dataparallel: error:". argparse's own messages (a missing
+        # value, two exclusive options) say what is wrong but no fix: point at the help.
+        if message.endswith("expected one argument"):
+            message += ", got none; fix: give it a value"
+        elif " not allowed with argument " in message:
+            message += "; fix: pass only one of the two"
+        if "fix:" not in message:
+            message += f"; fix: see `{self.prog} -h`"
+        raise _UsageError(self._where(message))
+
+    def _where(self, message: str) -> str:
         where = self.prog.removeprefix(PROG).strip()
-        raise _UsageError(f"{where}: {message}" if where else message)
+        return f"{where}: {message}" if where else message
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # A mistyped --strategy or command: argparse lists the choices but offers no fix.
+        choices = action.choices
+        if choices is None or value in choices:
+            return
+        names = [str(c) for c in choices]
+        if isinstance(action, argparse._SubParsersAction):
+            found = _unknown(str(value), names, f"a command: {_or(names)}", "dataparallel {} ...")
+        else:
+            flag = "/".join(action.option_strings)
+            found = f"{flag}: {_unknown(str(value), names, _or(names), flag + ' {}')}"
+        raise _UsageError(self._where(found))
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        # argparse reports unknown arguments at the top level, whichever command they follow:
+        # name them against that command's own options.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(parsed, "command", None)
+            parser = self._commands().get(command, self) if command else self
+            raise _UsageError(parser._where(parser._unrecognized(extra)))
+        return parsed
+
+    def _commands(self) -> dict[str, _Parser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    def _unrecognized(self, extra: list[str]) -> str:
+        flags = [a for a in extra if a.startswith("-")]
+        if not flags:
+            return (
+                f"expected options only, got the extra argument(s) {' '.join(extra)!r}; fix: "
+                f"drop them, or quote a value that holds spaces (see `{self.prog} -h`)"
+            )
+        found = flags[0].split("=", 1)[0]
+        commands = self._commands()
+        if commands:  # the top level: options belong after their command
+            for name, sub in commands.items():
+                close = difflib.get_close_matches(found, sub._long_options(), n=1, cutoff=_CLOSE)
+                if close:
+                    return (
+                        f"unknown option {found}: expected a command first ({_or(list(commands))}) "
+                        f"or --version, got {found!r}; fix: did you mean "
+                        f"`{PROG} {name} {close[0]} ...`?"
+                    )
+            return (
+                f"unknown option {found}: expected a command ({_or(list(commands))}) or "
+                f"--version, got {found!r}; fix: `{PROG} -h` lists the commands"
+            )
+        options = self._long_options()
+        close = difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
+        if close:
+            return (
+                f"unknown option {found}: expected one of {self.prog}'s options, got "
+                f"{found!r}; fix: did you mean {close[0]!r}?"
+            )
+        return (
+            f"unknown option {found}: expected one of {', '.join(options)}, got {found!r}; "
+            f"fix: see `{self.prog} -h`"
+        )
+
+    def _long_options(self) -> list[str]:
+        return sorted(
+            o for o in self._option_string_actions if o.startswith("--") and o != "--help"
+        )
+
+
+_CLOSE = 0.8
+"""How alike an unknown option must be to a real one to be offered (``--epoch``: ``--epochs``
+0.93; ``--bogus``: ``--out`` 0.67, not offered)."""
+
+
+def _or(names: Sequence[str]) -> str:
+    """``"dp or ddp"``, ``"train, explain or bench"``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _unknown(found: str, names: Sequence[str], wanted: str, usage: str = "") -> str:
+    """ "expected X, got 'y'; fix: did you mean 'z'?", naming the closest of ``names``
+    (difflib) where one is close; ``usage`` shows the fix in use (``{}`` is the name)."""
+    close = difflib.get_close_matches(found, names, n=1, cutoff=0.6)
+    if close:
+        fix = f"did you mean {close[0]!r}?"
+        if usage:
+            fix += f" ({usage.format(close[0])})"
+    else:
+        fix = f"pass {wanted.removeprefix('a command: ')}"
+    return f"expected {wanted}, got {found!r}; fix: {fix}"
 
 
 def _checked(
@@ -203,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
+        allow_abbrev=False,  # `train --epoch 3` is refused, not read as --epochs
         description="Run one PyTorch module over many devices on one batch, and get the "
         "batch right.",
         epilog=_examples(TRAIN_EXAMPLES[0], EXPLAIN_EXAMPLES[1], BENCH_EXAMPLES[0])
@@ -223,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train the tutorial's classifier on every device",
         description=_wrap(
             "Train the PyTorch tutorial's CIFAR-10 classifier (on scikit-learn's digits by "
@@ -327,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "explain",
+        allow_abbrev=False,
         help="print how batches are split",
         description=_wrap(
             "Print the plan (how each input is split, per-sample or broadcast, and why, and "
@@ -359,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
+        allow_abbrev=False,
         help="measure overhead and scaling against baselines (the quick set)",
         description=_wrap(
             "Run the quick benchmark set (ratios against baselines measured in the same run), "
