@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
         if message.endswith("expected one argument"):
             message += ", got none; fix: give it a value"
         elif " not allowed with argument " in message:
-            message += "; fix: pass only one of the two"
+            message += "; expected one of the two, got both; fix: pass only one of the two"
         if "fix:" not in message:
             message += f"; fix: see `{self.prog} -h`"
         raise _UsageError(self._where(message))
@@ -96,23 +96,23 @@ class _Parser(argparse.ArgumentParser):
         commands = self._commands()
         if commands:  # the top level: options belong after their command
             for name, sub in commands.items():
-                close = difflib.get_close_matches(found, sub._long_options(), n=1, cutoff=_CLOSE)
+                close = _closest(found, sub._long_options())
                 if close:
                     return (
                         f"unknown option {found}: expected a command first ({_or(list(commands))}) "
                         f"or --version, got {found!r}; fix: did you mean "
-                        f"`{PROG} {name} {close[0]} ...`?"
+                        f"`{PROG} {name} {close} ...`?"
                     )
             return (
                 f"unknown option {found}: expected a command ({_or(list(commands))}) or "
                 f"--version, got {found!r}; fix: `{PROG} -h` lists the commands"
             )
         options = self._long_options()
-        close = difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
+        close = _closest(found, options)
         if close:
             return (
                 f"unknown option {found}: expected one of {self.prog}'s options, got "
-                f"{found!r}; fix: did you mean {close[0]!r}?"
+                f"{found!r}; fix: did you mean {close!r}?"
             )
         return (
             f"unknown option {found}: expected one of {', '.join(options)}, got {found!r}; "
@@ -128,6 +128,16 @@ class _Parser(argparse.ArgumentParser):
 _CLOSE = 0.8
 """How alike an unknown option must be to a real one to be offered (``--epoch``: ``--epochs``
 0.93; ``--bogus``: ``--out`` 0.67, not offered)."""
+
+
+def _closest(found: str, options: Sequence[str]) -> str | None:
+    """The option ``found`` most likely meant: the only one it abbreviates (``--batch``:
+    ``--batch-size``), else the closest by difflib, if close enough."""
+    longer = [o for o in options if o.startswith(found)]
+    if len(longer) == 1:
+        return longer[0]
+    close = difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
+    return close[0] if close else None
 
 
 def _or(names: Sequence[str]) -> str:
@@ -200,6 +210,21 @@ _seed = _checked(
     fix="; fix: pass a seed such as 0",
 )
 _momentum = _checked(float, "a number", lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def _path(example: str) -> Callable[[str], Any]:
+    """A file path option: an empty one is an error, not "none" (a shell variable that was
+    never set, ``--json "$OUT"``, would otherwise skip the output without a word)."""
+    return _checked(
+        str,
+        "a file path",
+        lambda v: bool(v.strip()),
+        "a file path",
+        fix=f"; fix: pass a path such as {example}, or leave the option out",
+    )
+
+
+_FOLDER_MADE = "a missing folder is created"
 
 
 def _wrap(text: str) -> str:
@@ -398,8 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint",
+        type=_path("run.pt"),
         metavar="PATH",
-        help="write a checkpoint to PATH after every epoch (default: none)",
+        help=f"write a checkpoint to PATH after every epoch; {_FOLDER_MADE} (default: none)",
     )
     t.add_argument(
         "--resume",
@@ -414,11 +440,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--plot",
+        type=_path("run.png"),
         metavar="PATH",
         help=f"write a plot of loss and accuracy per epoch, in the format its suffix names "
-        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib (default: none)",
+        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib; {_FOLDER_MADE} "
+        f"(default: none)",
     )
-    t.add_argument("--json", metavar="PATH", help="write the final figures as JSON (default: none)")
+    t.add_argument(
+        "--json",
+        type=_path("run.json"),
+        metavar="PATH",
+        help=f"write the final figures as JSON; {_FOLDER_MADE} (default: none)",
+    )
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
         "--progress",
@@ -486,8 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--out",
+        type=_path("bench.json"),
         metavar="PATH",
-        help="JSON file (default: benchmarks/results/<timestamp>.json)",
+        help=f"JSON file; {_FOLDER_MADE} (default: benchmarks/results/<timestamp>.json)",
     )
     return parser
 
@@ -608,6 +642,10 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _quiet(line: str) -> None:
+    """What a ddp worker other than rank 0 says about an error every rank raised: nothing."""
+
+
 def _silence_stdout() -> None:
     # Python flushes stdout again at exit and would print "Exception ignored ... BrokenPipe";
     # point the descriptor at /dev/null so that last flush succeeds quietly.
@@ -623,6 +661,10 @@ def _run(args_list: list[str]) -> int:
 
     rank = os.environ.get("RANK", "0")
     prefix = PROG if rank == "0" else f"{PROG} (rank {rank})"
+    # Under ddp every worker checks the same options and sees the same all-reduced loss, so a
+    # usage or training error is raised by every rank alike: rank 0 says it, once; the others
+    # end with the same exit code and no line of their own (not one line per rank, interleaved).
+    say = _say if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1" else _quiet
     try:
         args = build_parser().parse_args(args_list)
         if args.command == "train":
@@ -651,10 +693,10 @@ def _run(args_list: list[str]) -> int:
             return _bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
     except (_UsageError, UsageError) as exc:
-        _say(f"{prefix}: error: {_one_line(exc)}")
+        say(f"{prefix}: error: {_one_line(exc)}")
         return 2
     except TrainingError as exc:
-        _say(f"{prefix}: error: {_one_line(exc)}")
+        say(f"{prefix}: error: {_one_line(exc)}")
         return 3
 
 
