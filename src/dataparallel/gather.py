@@ -29,7 +29,10 @@ from dataparallel._checks import (
     concat_error,
 )
 from dataparallel._output_rules import (
+    apply_rule,
     check_output_rules,
+    hidden_state,
+    note_roles,
     rnn_state_shapes,
     warn_unmatched,
 )
@@ -39,7 +42,6 @@ from dataparallel._outputs import (
     arrays_equal,
     fmt,
     rebuild_at,
-    sum_all,
     to_target,
 )
 from dataparallel._packed import gather_packed, is_packed
@@ -166,8 +168,9 @@ def gather(
         dim: the batch dimension of tensors and ndarrays.
         chunk_sizes: each replica's chunk size (the plan's). ``None`` reads each replica's
             size from its first tensor or ndarray (depth first) with a batch dimension; where
-            a replica has none, sizes are unknown: nothing is treated as batched by size, and
-            means are unweighted.
+            a replica has none, sizes are unknown: nothing is treated as batched by size,
+            means are unweighted, and the replicas' lists are joined in replica order (as
+            accelerate's ``gather_object`` does; lists of 0-dim tensors stay structure).
         scalars: ``"mean"`` (chunk-weighted; constants come back unchanged), ``"sum"`` or
             ``"stack"`` (torch's 1-d tensor) for numeric scalars such as losses.
         scalar_weights: one weight per replica for ``scalars="mean"`` in place of the chunk
@@ -308,7 +311,7 @@ def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         where = fmt(path)
         ctx.seen.append(where)
         if where in ctx.rules:
-            return _apply_rule(values, where, ctx.rules[where], ctx)
+            return apply_rule(values, where, ctx.rules[where], ctx, _concat)
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:
@@ -327,7 +330,7 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         values = [v.to(ctx.target) for v in values]
-    if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, path, ctx):
+    if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
         if arrays_equal(values):
@@ -341,64 +344,6 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return np.concatenate(values, axis=ctx.dim)
     except (RuntimeError, ValueError) as exc:
         raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
-
-
-def _hidden_state(values: list[Any], path: _Path, ctx: _Ctx) -> bool:
-    """Whether 3-d outputs are an RNN state, batch on dim 1: dim 0 the same on every replica,
-    dim 1 each replica's chunk size, and either the shape of one of the module's RNN states,
-    or (no RNN says so) not also batched on dim 0 and not equal on every replica (a constant).
-
-    Where dim 0 is each replica's chunk size too (an even split whose chunk size is
-    ``layers*directions``), both readings fit the shapes. An output where an RNN layer returns
-    its state (``_note_roles``) of a state's shape is a state; any other is batched on dim 0,
-    torch's reading, with a warning when it has a state's shape (a ``Linear`` after a
-    batch-first GRU)."""
-    first = values[0]
-    if first.ndim != 3:
-        return False
-    lead = first.shape[0]
-    for v, size in zip(values, ctx.sizes, strict=True):
-        if v.ndim != 3 or v.shape[0] != lead or v.shape[1] != size:
-            return False
-    state_shape = (lead, first.shape[2]) in ctx.state_shapes()
-    if not all(lead == size for size in ctx.sizes):
-        return state_shape or not arrays_equal(values)  # dim 0 is not batched: decided
-    if not state_shape:
-        return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
-    role = None if ctx.roles is None else ctx.roles.get(path)
-    if role == "state":
-        return True
-    if role != "sequence":
-        _warn_tie(values, path, ctx)
-    return False
-
-
-def _warn_tie(values: list[Any], path: _Path, ctx: _Ctx) -> None:
-    where = fmt(path)
-    shape = tuple(values[0].shape)
-    total = (sum(ctx.sizes), *shape[1:])
-    warn_user(
-        f"{where}: every replica returned shape {shape}, whose dims 0 and 1 both equal the "
-        f"chunk size ({shape[0]}), and which is also the shape of the module's RNN hidden "
-        f"state (layers*directions, batch, hidden); read it as batched on dim 0, as torch "
-        f"does, giving {total}. If it is an RNN state (batch on dim 1), pass "
-        f"output_rules={{{where!r}: 1}}; output_rules={{{where!r}: 0}} says it is batched on "
-        f"dim 0 and silences this"
-    )
-
-
-def _note_roles(first: tuple[Any, ...], path: _Path, ctx: _Ctx) -> None:
-    """Record where an RNN layer's return puts its output and its state: in a pair whose first
-    item is a tensor, the second is a state, or a pair of states (an LSTM's ``(h_n, c_n)``)."""
-    roles = ctx.roles
-    if roles is None:
-        if not (isinstance(first[0], torch.Tensor) and first[0].ndim == 3):
-            return  # no RNN output here, and no state around it
-        roles = ctx.roles = {}
-    if roles.get(path) == "state":  # (h_n, c_n)
-        roles[(path, "[", 0)] = roles[(path, "[", 1)] = "state"
-    elif isinstance(first[0], torch.Tensor) and first[0].ndim == 3:
-        roles[(path, "[", 0)], roles[(path, "[", 1)] = "sequence", "state"
 
 
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
@@ -444,77 +389,6 @@ def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
         f"return the same value on every replica; if it is, give it the chunk size along dim "
         f"{dim}; or use gather=False to handle the per-replica outputs yourself"
     )
-
-
-def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> Any:
-    """What ``output_rules`` says for one output, in place of the rules."""
-    if rule == "list":
-        return [to_target(v, ctx.target, None) for v in values]
-    if rule == "same":
-        moved = [to_target(v, ctx.target, None) for v in values]
-        arrays = all(isinstance(v, (torch.Tensor, np.ndarray)) for v in moved)
-        if (arrays_equal if arrays else all_equal)(moved):
-            return moved[0]
-        raise ValueError(
-            f"{where}: output_rules says 'same', but the replicas returned different values "
-            f"({', '.join(f'replica {i}: {v!r:.40}' for i, v in enumerate(values))}); expected "
-            f"one value on every replica. Use 'sum', 'mean', 'list' or a batch dimension instead"
-        )
-    if isinstance(rule, int):
-        if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values):
-            raise ValueError(
-                f"{where}: output_rules gives batch dimension {rule}, but the replicas returned "
-                f"{[type(v).__name__ for v in values]}; expected tensors or ndarrays with a "
-                f"dimension {rule}. Give a rule name ('sum', 'mean', 'same', 'list') instead"
-            )
-        return _concat(values, None, rule, ctx, where)
-    if rule == "stack":
-        return torch.stack([torch.as_tensor(v, device=ctx.target) for v in values])
-    moved = [to_target(v, ctx.target, None) for v in values]
-    if rule in ("all", "any"):
-        return _reduce_booleans(moved, where, rule)
-    _check_same_shapes(moved, where, rule)
-    if rule == "sum":
-        return sum_all(moved)
-    # "mean": chunk-weighted (numbers, tensors elementwise), as scalars="mean" weighs losses
-    return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
-
-
-def _reduce_booleans(values: list[Any], where: str, rule: str) -> Any:
-    """``output_rules``' ``"all"`` and ``"any"``: Python's for bools, elementwise for tensors
-    and ndarrays of one shape (a 0-dim bool tensor stays one)."""
-    if all(isinstance(v, torch.Tensor) for v in values):
-        _check_same_shapes(values, where, rule)
-        stacked = torch.stack([v.bool() for v in values])
-        return stacked.all(0) if rule == "all" else stacked.any(0)
-    if all(isinstance(v, np.ndarray) for v in values):
-        _check_same_shapes(values, where, rule)
-        return np.all(values, axis=0) if rule == "all" else np.any(values, axis=0)
-    if any(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values):
-        raise ValueError(
-            f"{where}: output_rules says {rule!r}, but the replicas returned "
-            f"{[type(v).__name__ for v in values]}; expected booleans, or tensors or ndarrays "
-            f"of one shape. Return one kind on every replica"
-        )
-    found = [bool(v) for v in values]
-    return all(found) if rule == "all" else any(found)
-
-
-def _check_same_shapes(values: list[Any], where: str, rule: str) -> None:
-    """A reduction across replicas needs one shape: broadcasting ``(1, 5)`` with ``(1, 2, 5)``
-    would make a value no device returned."""
-    shapes = [tuple(v.shape) for v in values if isinstance(v, (torch.Tensor, np.ndarray))]
-    if len(set(shapes)) > 1:
-        listing = ", ".join(
-            f"replica {i} has shape {tuple(v.shape)}"
-            for i, v in enumerate(values)
-            if isinstance(v, (torch.Tensor, np.ndarray))
-        )
-        raise ValueError(
-            f"{where}: output_rules says {rule!r}, but the replicas' shapes differ: {listing}; "
-            f"expected one shape on every replica (nothing is broadcast). Return the same "
-            f"shape on every replica, or give the output's batch dimension (an int) or 'list'"
-        )
 
 
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -616,7 +490,7 @@ def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if any(len(v) != n for v in values):
         raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
     if n == 2 and type(first) is tuple and ctx.sizes is not None:
-        _note_roles(first, path, ctx)  # where an RNN's (output, state) may be
+        note_roles(first, path, ctx)  # where an RNN's (output, state) may be
     names = getattr(type(first), "_fields", None)
     items = [
         _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)
