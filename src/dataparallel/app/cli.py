@@ -12,219 +12,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
-import math
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TextIO
 
+from dataparallel.app._usage import (
+    FOLDER_MADE,
+    PROG,
+    Parser,
+    UsageParseError,
+    int_at_least,
+    momentum,
+    path_of,
+    positive_float,
+    seed,
+)
 from dataparallel.app.demo.options import PLOT_FORMATS
 
 __all__ = ["build_parser", "main"]
-
-PROG = "dataparallel"
-
-
-class _UsageError(Exception):
-    """Raised by the parser instead of printing usage and exiting (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser with the house's errors: one line, what was found, what was expected
-    and the fix, "did you mean" where a close name exists; abbreviations are refused (each
-    subcommand's parser is one of these too, made with ``allow_abbrev=False``)."""
-
-    def error(self, message: str) -> NoReturn:
-        # argparse prints the whole usage and exits; we want one line, so raise instead. A
-        # subcommand's errors name it ("train: ..."); the top level's need no name, as the line
-        # already starts with "dataparallel: error:". argparse's own messages (a missing
-        # value, two exclusive options) say what is wrong but no fix: point at the help.
-        if message.endswith("expected one argument"):
-            message += ", got none; fix: give it a value"
-        elif " not allowed with argument " in message:
-            message += "; expected one of the two, got both; fix: pass only one of the two"
-        if "fix:" not in message:
-            message += f"; fix: see `{self.prog} -h`"
-        raise _UsageError(self._where(message))
-
-    def _where(self, message: str) -> str:
-        where = self.prog.removeprefix(PROG).strip()
-        return f"{where}: {message}" if where else message
-
-    def _check_value(self, action: argparse.Action, value: Any) -> None:
-        # A mistyped --strategy or command: argparse lists the choices but offers no fix.
-        choices = action.choices
-        if choices is None or value in choices:
-            return
-        names = [str(c) for c in choices]
-        if isinstance(action, argparse._SubParsersAction):
-            found = _unknown(str(value), names, f"a command: {_or(names)}", "dataparallel {} ...")
-        else:
-            flag = "/".join(action.option_strings)
-            found = f"{flag}: {_unknown(str(value), names, _or(names), flag + ' {}')}"
-        raise _UsageError(self._where(found))
-
-    def parse_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> argparse.Namespace:
-        # argparse reports unknown arguments at the top level, whichever command they follow:
-        # name them against that command's own options.
-        parsed, extra = self.parse_known_args(args, namespace)
-        if extra:
-            command = getattr(parsed, "command", None)
-            parser = self._commands().get(command, self) if command else self
-            raise _UsageError(parser._where(parser._unrecognized(extra)))
-        return parsed
-
-    def _commands(self) -> dict[str, _Parser]:
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                return dict(action.choices)
-        return {}
-
-    def _unrecognized(self, extra: list[str]) -> str:
-        flags = [a for a in extra if a.startswith("-")]
-        if not flags:
-            return (
-                f"expected options only, got the extra argument(s) {' '.join(extra)!r}; fix: "
-                f"drop them, or quote a value that holds spaces (see `{self.prog} -h`)"
-            )
-        found = flags[0].split("=", 1)[0]
-        commands = self._commands()
-        if commands:  # the top level: options belong after their command
-            for name, sub in commands.items():
-                close = _closest(found, sub._long_options())
-                if close:
-                    return (
-                        f"unknown option {found}: expected a command first ({_or(list(commands))}) "
-                        f"or --version, got {found!r}; fix: did you mean "
-                        f"`{PROG} {name} {close} ...`?"
-                    )
-            return (
-                f"unknown option {found}: expected a command ({_or(list(commands))}) or "
-                f"--version, got {found!r}; fix: `{PROG} -h` lists the commands"
-            )
-        options = self._long_options()
-        close = _closest(found, options)
-        if close:
-            return (
-                f"unknown option {found}: expected one of {self.prog}'s options, got "
-                f"{found!r}; fix: did you mean {close!r}?"
-            )
-        return (
-            f"unknown option {found}: expected one of {', '.join(options)}, got {found!r}; "
-            f"fix: see `{self.prog} -h`"
-        )
-
-    def _long_options(self) -> list[str]:
-        return sorted(
-            o for o in self._option_string_actions if o.startswith("--") and o != "--help"
-        )
-
-
-_CLOSE = 0.8
-"""How alike an unknown option must be to a real one to be offered (``--epoch``: ``--epochs``
-0.93; ``--bogus``: ``--out`` 0.67, not offered)."""
-
-
-def _closest(found: str, options: Sequence[str]) -> str | None:
-    """The option ``found`` most likely meant: the only one it abbreviates (``--batch``:
-    ``--batch-size``), else the closest by difflib, if close enough."""
-    longer = [o for o in options if o.startswith(found)]
-    if len(longer) == 1:
-        return longer[0]
-    close = difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
-    return close[0] if close else None
-
-
-def _or(names: Sequence[str]) -> str:
-    """``"dp or ddp"``, ``"train, explain or bench"``."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def _unknown(found: str, names: Sequence[str], wanted: str, usage: str = "") -> str:
-    """ "expected X, got 'y'; fix: did you mean 'z'?", naming the closest of ``names``
-    (difflib) where one is close; ``usage`` shows the fix in use (``{}`` is the name)."""
-    close = difflib.get_close_matches(found, names, n=1, cutoff=0.6)
-    if close:
-        fix = f"did you mean {close[0]!r}?"
-        if usage:
-            fix += f" ({usage.format(close[0])})"
-    else:
-        fix = f"pass {wanted.removeprefix('a command: ')}"
-    return f"expected {wanted}, got {found!r}; fix: {fix}"
-
-
-def _checked(
-    convert: Callable[[str], Any],
-    noun: str,
-    ok: Callable[[Any], bool],
-    expected: str,
-    *,
-    fix: str = "",
-    show_text: bool = False,
-) -> Callable[[str], Any]:
-    """An argparse ``type=``: ``convert`` the text, then require ``ok(value)``.
-
-    Each option's two errors say "expected X, got Y" and then ``fix``; ``show_text`` quotes the
-    text as typed in the second one (``'1e400'``, not ``inf``).
-    """
-
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}{fix}") from None
-        if not ok(value):
-            got = text if show_text else value
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {got!r}{fix}")
-        return value
-
-    return parse
-
-
-def _int_at_least(low: int) -> Callable[[str], Any]:
-    return _checked(int, "an integer", lambda v: v >= low, f"an integer >= {low}")
-
-
-_positive_float = _checked(
-    float,
-    "a number",
-    lambda v: v > 0 and math.isfinite(v),  # NaN fails both
-    "a finite number > 0",
-    fix="; fix: pass a number such as 0.01",
-    show_text=True,
-)
-
-SEED_LIMIT = 2**63
-"""Seeds are 0 <= seed < 2**63: torch's generators take 64 bits, and each epoch adds its index."""
-
-_seed = _checked(
-    int,
-    "an integer",
-    lambda v: 0 <= v < SEED_LIMIT,
-    "an integer in 0..2**63-1",
-    fix="; fix: pass a seed such as 0",
-)
-_momentum = _checked(float, "a number", lambda v: 0 <= v < 1, "a number in [0, 1)")
-
-
-def _path(example: str) -> Callable[[str], Any]:
-    """A file path option: an empty one is an error, not "none" (a shell variable that was
-    never set, ``--json "$OUT"``, would otherwise skip the output without a word)."""
-    return _checked(
-        str,
-        "a file path",
-        lambda v: bool(v.strip()),
-        "a file path",
-        fix=f"; fix: pass a path such as {example}, or leave the option out",
-    )
-
-
-_FOLDER_MADE = "a missing folder is created"
 
 
 def _wrap(text: str) -> str:
@@ -334,7 +142,7 @@ def _version_line() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand; each ``--help`` ends with examples."""
     raw = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         allow_abbrev=False,  # `train --epoch 3` is refused, not read as --epochs
         description="Run one PyTorch module over many devices on one batch, and get the "
@@ -376,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The options whose default comes from the dataset (the help names each dataset's value).
     for key, kind, metavar in (
-        ("epochs", _int_at_least(0), "N"),
-        ("batch_size", _int_at_least(1), "N"),
-        ("lr", _positive_float, None),
+        ("epochs", int_at_least(0), "N"),
+        ("batch_size", int_at_least(1), "N"),
+        ("lr", positive_float, None),
     ):
         t.add_argument(
             "--" + key.replace("_", "-"),
@@ -387,11 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{_PER_DATASET_HELP[key]} (default per dataset: {_per_dataset(key)})",
         )
     t.add_argument(
-        "--momentum", type=_momentum, default=0.9, help="SGD momentum (default: %(default)s)"
+        "--momentum", type=momentum, default=0.9, help="SGD momentum (default: %(default)s)"
     )
     t.add_argument(
         "--seed",
-        type=_seed,
+        type=seed,
         default=0,
         help="seed of the model's initial weights and of each epoch's order (default: %(default)s)",
     )
@@ -410,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--nproc-per-node",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=1,
         metavar="N",
         help="ddp: worker processes to launch on this machine; 1 runs in this process "
@@ -423,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint",
-        type=_path("run.pt"),
+        type=path_of("run.pt"),
         metavar="PATH",
-        help=f"write a checkpoint to PATH after every epoch; {_FOLDER_MADE} (default: none)",
+        help=f"write a checkpoint to PATH after every epoch; {FOLDER_MADE} (default: none)",
     )
     t.add_argument(
         "--resume",
@@ -440,17 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--plot",
-        type=_path("run.png"),
+        type=path_of("run.png"),
         metavar="PATH",
         help=f"write a plot of loss and accuracy per epoch, in the format its suffix names "
-        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib; {_FOLDER_MADE} "
+        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib; {FOLDER_MADE} "
         f"(default: none)",
     )
     t.add_argument(
         "--json",
-        type=_path("run.json"),
+        type=path_of("run.json"),
         metavar="PATH",
-        help=f"write the final figures as JSON; {_FOLDER_MADE} (default: none)",
+        help=f"write the final figures as JSON; {FOLDER_MADE} (default: none)",
     )
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
@@ -492,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--batch-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="N",
         help=f"with --data: the batch size (default: the dataset's, {_per_dataset('batch_size')})",
     )
@@ -519,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--out",
-        type=_path("bench.json"),
+        type=path_of("bench.json"),
         metavar="PATH",
-        help=f"JSON file; {_FOLDER_MADE} (default: benchmarks/results/<timestamp>.json)",
+        help=f"JSON file; {FOLDER_MADE} (default: benchmarks/results/<timestamp>.json)",
     )
     return parser
 
@@ -692,7 +500,7 @@ def _run(args_list: list[str]) -> int:
         if args.command == "bench":
             return _bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
-    except (_UsageError, UsageError) as exc:
+    except (UsageParseError, UsageError) as exc:
         say(f"{prefix}: error: {_one_line(exc)}")
         return 2
     except TrainingError as exc:
