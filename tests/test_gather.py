@@ -134,14 +134,14 @@ def test_chunk_sizes_are_read_from_the_first_batched_tensor_depth_first() -> Non
     assert rest["labels"] == [f"s{i}" for i in range(5)] + [f"s{i}" for i in range(2)]
 
 
-def test_unknown_sizes_give_an_unweighted_mean_and_no_per_sample_lists() -> None:
+def test_unknown_sizes_give_an_unweighted_mean_and_lists_in_replica_order() -> None:
     parts = [
         {"loss": torch.tensor(1.0), "tags": ["a", "b"]},
         {"loss": torch.tensor(4.0), "tags": ["c", "d"]},
     ]
     out = gather(parts, "cpu")
     torch.testing.assert_close(out["loss"], torch.tensor(2.5))
-    assert out["tags"] == [["a", "c"], ["b", "d"]]  # structure: item by item
+    assert out["tags"] == ["a", "b", "c", "d"]  # sizes unknown: replica order (issue 29, 15)
     given = gather(parts, "cpu", chunk_sizes=[3, 1])
     torch.testing.assert_close(given["loss"], torch.tensor((1.0 * 3 + 4.0) / 4))
     assert given["tags"] == [["a", "c"], ["b", "d"]]  # lengths 2 are not the chunk sizes
@@ -292,22 +292,71 @@ def test_equal_losses_with_gradients_still_get_weighted_gradients() -> None:
     [
         ([True, True], True),
         ([False, False, False], False),
-        ([True, False], [True, False]),
         ([np.bool_(True), np.bool_(True)], np.bool_(True)),
     ],
 )
-def test_booleans_come_back_once_if_equal_else_as_a_list(values: list[Any], expected: Any) -> None:
+def test_booleans_come_back_once_if_equal(values: list[Any], expected: Any) -> None:
     out = gather(values, "cpu", chunk_sizes=[1] * len(values))
     assert out == expected and type(out) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [True, False],
+        [np.bool_(False), np.bool_(True)],
+        [torch.tensor(True), torch.tensor(False), torch.tensor(True)],
+    ],
+)
+@pytest.mark.parametrize("scalars", ["mean", "sum", "stack"])
+def test_booleans_that_differ_are_refused_naming_all_and_any(
+    values: list[Any], scalars: str
+) -> None:
+    # issue 29, item 7: a list [True, False] is truthy where one device says False
+    with pytest.raises(ValueError, match="different booleans") as info:
+        gather([{"ok": v} for v in values], "cpu", scalars=scalars)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith("output['ok']: ")
+    assert "replica 0: True" in message or "replica 0: False" in message
+    assert """output_rules={"output['ok']": 'all'}""" in message and "'any'" in message
 
 
 def test_bool_tensors() -> None:
     same = gather([torch.tensor(True), torch.tensor(True)], "cpu")
     assert isinstance(same, torch.Tensor) and same.dtype == torch.bool and bool(same)
-    differ = gather([torch.tensor(True), torch.tensor(False)], "cpu")
-    assert [bool(t) for t in differ] == [True, False]
     for mode in ("sum", "stack"):  # booleans never add up or stack
         assert gather([True, True], "cpu", scalars=mode) is True  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("values", "rule", "expected"),
+    [
+        ([True, False], "all", False),
+        ([True, False], "any", True),
+        ([np.bool_(True), np.bool_(True)], "all", True),
+        ([torch.tensor(True), torch.tensor(False)], "all", torch.tensor(False)),
+        ([torch.tensor(False), torch.tensor(True)], "any", torch.tensor(True)),
+        (
+            [torch.tensor([True, False]), torch.tensor([True, True])],
+            "all",
+            torch.tensor([True, False]),
+        ),
+        ([np.array([False, False]), np.array([True, False])], "any", np.array([True, False])),
+    ],
+)
+def test_all_and_any_rules_reduce_booleans(values: list[Any], rule: str, expected: Any) -> None:
+    out = gather(values, "cpu", output_rules={"output": rule})
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(out, torch.Tensor) and torch.equal(out, expected)
+    elif isinstance(expected, np.ndarray):
+        assert isinstance(out, np.ndarray) and np.array_equal(out, expected)
+    else:
+        assert out is expected
+
+
+def test_all_and_any_refuse_tensors_of_different_shapes() -> None:
+    with pytest.raises(ValueError, match=r"replica 1 has shape \(3,\)"):
+        gather([torch.ones(2).bool(), torch.ones(3).bool()], "cpu", output_rules={"output": "all"})
 
 
 # -------------------------------------------------------------------------- rule 3
@@ -382,6 +431,44 @@ def test_list_of_batched_tensors_is_structure() -> None:
 def test_lists_of_other_lengths_are_concatenated() -> None:
     parts = [(torch.zeros(2, 1), ["a", "b", "c"]), (torch.zeros(2, 1), ["d"])]
     assert gather(parts, "cpu")[1] == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [
+        ([[0], [1]], [0, 1]),
+        ([[{"id": 0}], [{"id": 1}]], [{"id": 0}, {"id": 1}]),
+        ([[0, 1], [2, 3]], [0, 1, 2, 3]),
+        ([["a"], ["b"], ["c", "d"]], ["a", "b", "c", "d"]),
+        ([([0.5],), ([0.25],)], ([0.5, 0.25],)),
+    ],
+)
+def test_without_chunk_sizes_lists_are_joined_in_replica_order(parts: Any, expected: Any) -> None:
+    # issue 29, item 15: no tensor says the chunk sizes, so nothing tells a per-sample list
+    # from structure: each replica's list is kept whole, in replica order (gather_object's)
+    assert gather(parts, "cpu") == expected
+
+
+def test_without_chunk_sizes_lists_of_scalar_tensors_are_still_structure() -> None:
+    parts = [[torch.tensor(1.0), torch.tensor(2.0)], [torch.tensor(3.0), torch.tensor(4.0)]]
+    out = gather(parts, "cpu")
+    assert [float(t) for t in out] == [2.0, 3.0]  # two metrics, each averaged
+
+
+def test_with_chunk_sizes_lists_follow_them() -> None:
+    assert gather([[0], [1]], "cpu", chunk_sizes=[1, 1]) == [0, 1]  # per-sample
+    assert gather([[0, 1], [2, 3]], "cpu", chunk_sizes=[3, 3]) == [2, 4]  # structure: counts
+
+
+@pytest.mark.parametrize("rule", ["sum", "mean"])
+def test_sum_and_mean_rules_refuse_shapes_that_differ(rule: str) -> None:
+    parts = [torch.ones(1, 5), torch.ones(1, 2, 5)]  # (1, 5) + (1, 2, 5) would broadcast
+    with pytest.raises(ValueError, match=rf"output: output_rules says '{rule}'") as info:
+        gather(parts, "cpu", output_rules={"output": rule})
+    message = str(info.value)
+    assert "replica 0 has shape (1, 5)" in message and "replica 1 has shape (1, 2, 5)" in message
+    same = gather([torch.ones(2, 5), torch.full((2, 5), 3.0)], "cpu", output_rules={"output": rule})
+    assert torch.equal(same, torch.full((2, 5), 4.0 if rule == "sum" else 2.0))
 
 
 # -------------------------------------------------------------------------- rule 5

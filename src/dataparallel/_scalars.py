@@ -1,7 +1,9 @@
 """Gather rule 2, scalars: numbers, numpy numbers, 0-dim tensors and ndarrays.
 
 Losses are averaged by chunk size (so a mean-reduced loss equals the one-device loss), summed,
-or stacked, as ``scalars`` says; booleans come back once if equal; integers tell counts
+or stacked, as ``scalars`` says; booleans come back once if equal, else are refused (naming
+``output_rules``' ``"all"`` and ``"any"``); a value each replica received rather than computed
+(a buffer, an input) comes back once; integers tell counts
 (summed) from constants (kept), as the README's gather rules say. ``gather`` dispatches here.
 """
 
@@ -26,17 +28,19 @@ _Path = Any
 def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 2: numbers, numpy numbers, 0-dim tensors and ndarrays; booleans apart."""
     target = ctx.target
-    if all(_is_bool(v) for v in values):  # never averaged: once if equal, else a list
-        values = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
-        return values[0] if all(bool(v) == bool(values[0]) for v in values) else values
+    if all(_is_bool(v) for v in values):  # never averaged, summed or stacked
+        moved = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
+        if all(bool(v) == bool(moved[0]) for v in moved):
+            return moved[0]
+        raise _booleans_differ(values, path)
     if ctx.scalars == "stack":
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
     if any(isinstance(v, torch.Tensor) for v in values):
         # as_tensor moves a tensor like .to (differentiably) and makes one of a number
         tensors = [torch.as_tensor(v, device=target) for v in values]
         counts = not any(t.is_floating_point() or t.is_complex() for t in tensors)
-        if counts and ctx.scalars != "sum" and all(v is values[0] for v in values):
-            return tensors[0]  # one object on every replica: an input or buffer passed through
+        if (counts or ctx.scalars == "sum") and _one_value(values, ctx):
+            return tensors[0]  # a buffer or an input passed through: one value, not a count
         if ctx.scalars == "sum" or counts:
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
@@ -67,6 +71,31 @@ def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) ->
     if all_equal(plain):
         return values[0]
     return sum_all(plain)
+
+
+def _one_value(values: list[Any], ctx: _Ctx) -> bool:
+    """Whether every replica returned the same value as received, not one it computed: one
+    object (an input or buffer on the module's own device), or each replica's copy of one
+    buffer, parameter or broadcast input (``ctx.origins``, when the wrapper made the copies)."""
+    first = values[0]
+    if all(v is first for v in values):
+        return True
+    origins = getattr(ctx, "origins", None)
+    if origins is None or not all(isinstance(v, torch.Tensor) for v in values):
+        return False
+    return origins.one_value(values)
+
+
+def _booleans_differ(values: list[Any], path: _Path) -> ValueError:
+    where = fmt(path)
+    found = ", ".join(f"replica {i}: {bool(v)}" for i, v in enumerate(values))
+    return ValueError(
+        f"{where}: the replicas returned different booleans ({found}); expected one value, "
+        f"since a boolean is never averaged or summed and one device returns a single one. "
+        f"Say how to combine them: output_rules={{{where!r}: 'all'}} (true if every chunk's "
+        f"is, e.g. all finite) or {{{where!r}: 'any'}} (e.g. any NaN), or 'list' for one per "
+        f"replica; or return a tensor with the batch dimension"
+    )
 
 
 def _is_bool(value: Any) -> bool:

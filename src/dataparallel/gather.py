@@ -29,7 +29,10 @@ from dataparallel._checks import (
     concat_error,
 )
 from dataparallel._output_rules import (
+    apply_rule,
     check_output_rules,
+    hidden_state,
+    note_roles,
     rnn_state_shapes,
     warn_unmatched,
 )
@@ -39,7 +42,6 @@ from dataparallel._outputs import (
     arrays_equal,
     fmt,
     rebuild_at,
-    sum_all,
     to_target,
 )
 from dataparallel._packed import gather_packed, is_packed
@@ -90,6 +92,8 @@ class _Context:
         "counts",
         "dim",
         "module",
+        "origins",
+        "roles",
         "rules",
         "scalars",
         "seen",
@@ -122,6 +126,10 @@ class _Context:
         self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
+        self.origins: Any = None  # a _origins.Origins: which scalars each replica received
+        # Paths where an RNN layer puts its output ("sequence") and state ("state"): the items
+        # of a pair (tensor, state), state a tensor or a pair (h_n, c_n). Made on first need.
+        self.roles: dict[Any, str] | None = None
         self.states: frozenset[tuple[int, int]] | None = None  # read from module when needed
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
@@ -160,8 +168,9 @@ def gather(
         dim: the batch dimension of tensors and ndarrays.
         chunk_sizes: each replica's chunk size (the plan's). ``None`` reads each replica's
             size from its first tensor or ndarray (depth first) with a batch dimension; where
-            a replica has none, sizes are unknown: nothing is treated as batched by size, and
-            means are unweighted.
+            a replica has none, sizes are unknown: nothing is treated as batched by size,
+            means are unweighted, and the replicas' lists are joined in replica order (as
+            accelerate's ``gather_object`` does; lists of 0-dim tensors stay structure).
         scalars: ``"mean"`` (chunk-weighted; constants come back unchanged), ``"sum"`` or
             ``"stack"`` (torch's 1-d tensor) for numeric scalars such as losses.
         scalar_weights: one weight per replica for ``scalars="mean"`` in place of the chunk
@@ -170,8 +179,9 @@ def gather(
             (its loss may be NaN: a chunk with no labelled token). All zero: sizes are used.
         output_rules: ``{path: rule}`` for outputs the rules cannot read from shapes and
             values, by the path the messages print (``"output[1][0]"``): an int is the
-            output's batch dimension, ``"sum"``, ``"mean"``, ``"stack"`` reduce it, ``"same"``
-            keeps one copy (the replicas must agree), ``"list"`` keeps one per replica.
+            output's batch dimension, ``"sum"``, ``"mean"``, ``"stack"`` reduce it (one shape
+            on every replica), ``"all"``, ``"any"`` reduce booleans, ``"same"`` keeps one copy
+            (the replicas must agree), ``"list"`` keeps one per replica.
         module: the module that made the outputs; its RNN layers tell a hidden state
             ``(layers*directions, batch, hidden)`` from a batched output where an even
             split makes the two shapes alike.
@@ -219,6 +229,7 @@ def gather_outputs(
     scalar_weights: Sequence[float] | None = None,
     output_rules: Mapping[str, int | str] | None = None,
     module: nn.Module | None = None,
+    origins: Any = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -227,7 +238,9 @@ def gather_outputs(
     One replica's output comes back as the module gave it (tensors moved to ``target``) unless
     ``"stack"`` or ``output_rules`` ask for more; outputs that are all plain tensors batched
     along ``dim`` are concatenated (rule 1); anything else takes the rules' walk. ``sizes`` is
-    ``None`` when the chunk sizes are not known (read from the outputs then).
+    ``None`` when the chunk sizes are not known (read from the outputs then). ``origins`` (a
+    ``dataparallel._origins.Origins``) tells a buffer or input each replica received from a
+    value it computed, for scalars that are not one object on every replica.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -246,6 +259,7 @@ def gather_outputs(
             target, dim, None if sizes is None else tuple(sizes), scalars, len(outputs), weights
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
+        ctx.origins = origins
         out = _gather(outputs, None, ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
@@ -297,7 +311,7 @@ def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         where = fmt(path)
         ctx.seen.append(where)
         if where in ctx.rules:
-            return _apply_rule(values, where, ctx.rules[where], ctx)
+            return apply_rule(values, where, ctx.rules[where], ctx, _concat)
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:
@@ -316,7 +330,7 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         values = [v.to(ctx.target) for v in values]
-    if ctx.dim == 0 and ctx.sizes is not None and _hidden_state(values, ctx):
+    if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
         if arrays_equal(values):
@@ -330,24 +344,6 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return np.concatenate(values, axis=ctx.dim)
     except (RuntimeError, ValueError) as exc:
         raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
-
-
-def _hidden_state(values: list[Any], ctx: _Ctx) -> bool:
-    """Whether 3-d outputs are an RNN state, batch on dim 1: dim 0 the same on every replica,
-    dim 1 each replica's chunk size, and either the shape of one of the module's RNN states,
-    or (no RNN says so) not also batched on dim 0 and not equal on every replica (a constant)."""
-    first = values[0]
-    if first.ndim != 3:
-        return False
-    lead = first.shape[0]
-    for v, size in zip(values, ctx.sizes, strict=True):
-        if v.ndim != 3 or v.shape[0] != lead or v.shape[1] != size:
-            return False
-    if (lead, first.shape[2]) in ctx.state_shapes():
-        return True
-    if all(lead == size for size in ctx.sizes):
-        return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
-    return not arrays_equal(values)
 
 
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
@@ -395,37 +391,6 @@ def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     )
 
 
-def _apply_rule(values: list[Any], where: str, rule: int | str, ctx: _Ctx) -> Any:
-    """What ``output_rules`` says for one output, in place of the rules."""
-    if rule == "list":
-        return [to_target(v, ctx.target, None) for v in values]
-    if rule == "same":
-        moved = [to_target(v, ctx.target, None) for v in values]
-        arrays = all(isinstance(v, (torch.Tensor, np.ndarray)) for v in moved)
-        if (arrays_equal if arrays else all_equal)(moved):
-            return moved[0]
-        raise ValueError(
-            f"{where}: output_rules says 'same', but the replicas returned different values "
-            f"({', '.join(f'replica {i}: {v!r:.40}' for i, v in enumerate(values))}); expected "
-            f"one value on every replica. Use 'sum', 'mean', 'list' or a batch dimension instead"
-        )
-    if isinstance(rule, int):
-        if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0 for v in values):
-            raise ValueError(
-                f"{where}: output_rules gives batch dimension {rule}, but the replicas returned "
-                f"{[type(v).__name__ for v in values]}; expected tensors or ndarrays with a "
-                f"dimension {rule}. Give a rule name ('sum', 'mean', 'same', 'list') instead"
-            )
-        return _concat(values, None, rule, ctx, where)
-    if rule == "stack":
-        return torch.stack([torch.as_tensor(v, device=ctx.target) for v in values])
-    moved = [to_target(v, ctx.target, None) for v in values]
-    if rule == "sum":
-        return sum_all(moved)
-    # "mean": chunk-weighted (numbers, tensors elementwise), as scalars="mean" weighs losses
-    return sum_all([v * w for v, w in zip(moved, ctx.weights, strict=True) if w])
-
-
 def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 6: once if equal on every replica, else one per replica."""
     return values[0] if all_equal(values) else list(values)
@@ -453,15 +418,29 @@ def _mismatch(path: _Path, what: str, found: list[Any]) -> ValueError:
 
 
 def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 4: per-sample lists are concatenated; same-length lists are structure."""
+    """Rule 4: per-sample lists are concatenated; same-length lists are structure. Where the
+    chunk sizes are unknown (``gather`` without ``chunk_sizes`` on outputs with no batched
+    tensor), nothing tells the two apart: the replicas' lists are concatenated in replica
+    order (accelerate's ``gather_object``), except lists of 0-dim tensors (losses, metrics)."""
     first = values[0]
-    if ctx.sizes is not None and _per_sample(values, ctx.sizes, ctx.dim):
+    if ctx.sizes is None:
+        if not _all_scalar_tensors(values):
+            return _concat_lists(values, path, ctx)
+    elif _per_sample(values, ctx.sizes, ctx.dim):
         return _concat_lists(values, path, ctx)
     n = len(first)
     if any(len(v) != n for v in values):
         return _concat_lists(values, path, ctx)
     items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
     return rebuild_at(path, rebuild_sequence, first, items)
+
+
+def _all_scalar_tensors(values: list[Any]) -> bool:
+    """Whether every replica's list is non-empty and holds only 0-dim tensors or ndarrays."""
+    return all(
+        value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value)
+        for value in values
+    )
 
 
 def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
@@ -510,6 +489,8 @@ def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     n = len(first)
     if any(len(v) != n for v in values):
         raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
+    if n == 2 and type(first) is tuple and ctx.sizes is not None:
+        note_roles(first, path, ctx)  # where an RNN's (output, state) may be
     names = getattr(type(first), "_fields", None)
     items = [
         _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)

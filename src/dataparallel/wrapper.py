@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dataparallel._losses import ScalarWeights, chunk_weights
+from dataparallel._origins import Origins
 from dataparallel._output_rules import check_output_rules
 from dataparallel._partial_sums import (
     COUNT_KEYWORD,
@@ -87,8 +88,8 @@ class DataParallel(nn.DataParallel):
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
-            ``"sum"``, ``"mean"``, ``"stack"``, ``"same"`` (one copy) or ``"list"`` (one per
-            replica). Ignored when ``gather`` is overridden.
+            ``"sum"``, ``"mean"``, ``"stack"``, ``"all"`` or ``"any"`` (booleans), ``"same"``
+            (one copy) or ``"list"`` (one per replica). Ignored when ``gather`` is overridden.
         compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
             ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
             module itself) included, once per replica (not per call); the module is not
@@ -263,6 +264,11 @@ class DataParallel(nn.DataParallel):
         # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
         share = COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, steps)
         total = self._weight_total(plan, inputs, kwargs, steps) if share else 0.0
+        # What each output's replica received, for gather to tell a buffer or input passed
+        # through from a value computed per chunk (read only when a scalar needs it).
+        chunk_args: list[Any] = []
+        chunk_kws: list[Any] = []
+        chunk_replicas: list[nn.Module] = []
         for wave in plan.slices:
             args, kws, wave_devices, wave_sizes = self._scatter_wave(
                 plan, wave, inputs, kwargs, steps
@@ -276,8 +282,21 @@ class DataParallel(nn.DataParallel):
             outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers, method)
             devices += wave_devices
             sizes += wave_sizes
+            chunk_args += args
+            chunk_kws += kws
+            chunk_replicas += replicas
         self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
-        return self._gather_all(outputs, devices, sizes, weights, steps, method)
+        origins = (
+            Origins(
+                chunk_replicas,
+                None if steps.scatter else plan.program,
+                chunk_args,
+                chunk_kws,
+            )
+            if len(outputs) > 1
+            else None
+        )
+        return self._gather_all(outputs, devices, sizes, weights, steps, method, origins)
 
     def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
         """Whether this call's chunks each get their share of ``num_items_in_batch``."""
@@ -386,6 +405,7 @@ class DataParallel(nn.DataParallel):
         weights: list[float],
         steps: _Overrides,
         method: str | None = None,
+        origins: Origins | None = None,
     ) -> Any:
         if not self.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
@@ -403,6 +423,7 @@ class DataParallel(nn.DataParallel):
             if method is None
             else step_rules(outputs[0], self.__dict__.get("output_rules")),
             self._modules["module"],  # (past nn.Module.__getattr__, on every call)
+            origins,
         )
 
     # -- torch's overridable steps ----------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from torch.nn.utils.rnn import (
 )
 
 import dataparallel as dp
+from _close import assert_close_rel
 
 from ._oracle import LAYOUTS, check
 
@@ -109,3 +111,99 @@ def test_packed_sequence_on_one_device_takes_the_plan() -> None:
     assert out.batch_sizes.device.type == "cpu"
     assert torch.equal(pad_packed_sequence(out, True)[0], pad_packed_sequence(ref, True)[0])
     assert torch.equal(h, ref_h)
+
+
+# -- an RNN step output that has a hidden state's shape (issue 29, item 10) ---------------------
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
+
+
+class Head(nn.Module):
+    """A batch-first RNN then a Linear of the RNN's width: on an even split whose chunk size is
+    layers*directions and equals the number of steps, each replica's output has the shape of
+    the RNN's hidden state, batch on dim 1, though its batch is on dim 0."""
+
+    def __init__(self, kind: str, layers: int) -> None:
+        super().__init__()
+        torch.manual_seed(layers)
+        self.rnn = {"gru": nn.GRU, "lstm": nn.LSTM}[kind](4, 8, layers, batch_first=True)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize(
+    ("kind", "layers", "shape", "devices"),
+    [
+        ("gru", 1, (2, 1, 4), ["cpu", "cpu"]),
+        ("gru", 1, (2, 1, 4), ["cpu", "cpu:1"]),
+        ("gru", 1, (3, 1, 4), ["cpu", "cpu:1", "cpu:1"]),
+        ("lstm", 2, (4, 2, 4), ["cpu", "cpu"]),
+        ("lstm", 2, (4, 2, 4), ["cpu", "cpu:1"]),
+        ("lstm", 2, (6, 2, 4), ["cpu", "cpu:1", "cpu:1"]),
+    ],
+)
+def test_a_step_output_shaped_like_a_state_is_one_devices_with_a_warning(
+    kind: str, layers: int, shape: tuple[int, ...], devices: list[str]
+) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    model = Head(kind, layers)
+    want = model(x)
+    with pytest.warns(UserWarning, match=r"^output: every replica returned shape") as caught:
+        got = dp.DataParallel(model, devices)(x)
+    assert got.shape == want.shape == (shape[0], shape[1], 8)
+    assert_close_rel(got, want)
+    message = str(caught[0].message)
+    assert "output_rules={'output': 1}" in message and "output_rules={'output': 0}" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rule settles it: silent
+        again = dp.DataParallel(model, devices, output_rules={"output": 0})(x)
+    assert_close_rel(again, want)
+
+
+class Whole(nn.Module):
+    """An LSTM's own return, (output, (h_n, c_n)), with every tensor of one shape per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(4, 8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.lstm(x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+def test_an_rnns_own_return_is_read_by_position_without_a_warning(devices: list[str]) -> None:
+    x = torch.randn(2 * len(devices), 2, 4, generator=torch.Generator().manual_seed(2))
+    model = Whole()
+    want = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = dp.DataParallel(model, devices)(x)
+    assert got[0].shape == want[0].shape and got[1][0].shape == want[1][0].shape
+    assert want[1][0].shape == (2, x.shape[0], 8)
+    for g, w in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+        assert_close_rel(g, w)
+
+
+class StateOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gru = nn.GRU(4, 8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[1]
+
+
+def test_a_state_returned_alone_needs_the_rule_the_warning_names() -> None:
+    x = torch.randn(4, 3, 4, generator=torch.Generator().manual_seed(3))
+    model = StateOnly()
+    want = model(x)  # (2, 4, 8): batch on dim 1; each chunk's (2, 2, 8) fits either reading
+    with pytest.warns(UserWarning, match=r"output_rules=\{'output': 1\}"):
+        guessed = dp.DataParallel(model, ["cpu", "cpu"])(x)
+    assert guessed.shape == (4, 2, 8)  # the tie-break: torch's reading
+    got = dp.DataParallel(model, ["cpu", "cpu"], output_rules={"output": 1})(x)
+    assert_close_rel(got, want)

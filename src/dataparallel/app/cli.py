@@ -12,86 +12,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TextIO
 
+from dataparallel.app._usage import (
+    FOLDER_MADE,
+    PROG,
+    Parser,
+    UsageParseError,
+    int_at_least,
+    momentum,
+    path_of,
+    positive_float,
+    seed,
+)
 from dataparallel.app.demo.options import PLOT_FORMATS
 
 __all__ = ["build_parser", "main"]
-
-PROG = "dataparallel"
-
-
-class _UsageError(Exception):
-    """Raised by the parser instead of printing usage and exiting (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # argparse prints the whole usage and exits; we want one line, so raise instead. A
-        # subcommand's errors name it ("train: ..."); the top level's need no name, as the line
-        # already starts with "dataparallel: error:".
-        where = self.prog.removeprefix(PROG).strip()
-        raise _UsageError(f"{where}: {message}" if where else message)
-
-
-def _checked(
-    convert: Callable[[str], Any],
-    noun: str,
-    ok: Callable[[Any], bool],
-    expected: str,
-    *,
-    fix: str = "",
-    show_text: bool = False,
-) -> Callable[[str], Any]:
-    """An argparse ``type=``: ``convert`` the text, then require ``ok(value)``.
-
-    Each option's two errors say "expected X, got Y" and then ``fix``; ``show_text`` quotes the
-    text as typed in the second one (``'1e400'``, not ``inf``).
-    """
-
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}{fix}") from None
-        if not ok(value):
-            got = text if show_text else value
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {got!r}{fix}")
-        return value
-
-    return parse
-
-
-def _int_at_least(low: int) -> Callable[[str], Any]:
-    return _checked(int, "an integer", lambda v: v >= low, f"an integer >= {low}")
-
-
-_positive_float = _checked(
-    float,
-    "a number",
-    lambda v: v > 0 and math.isfinite(v),  # NaN fails both
-    "a finite number > 0",
-    fix="; fix: pass a number such as 0.01",
-    show_text=True,
-)
-
-SEED_LIMIT = 2**63
-"""Seeds are 0 <= seed < 2**63: torch's generators take 64 bits, and each epoch adds its index."""
-
-_seed = _checked(
-    int,
-    "an integer",
-    lambda v: 0 <= v < SEED_LIMIT,
-    "an integer in 0..2**63-1",
-    fix="; fix: pass a seed such as 0",
-)
-_momentum = _checked(float, "a number", lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def _wrap(text: str) -> str:
@@ -201,8 +142,9 @@ def _version_line() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand; each ``--help`` ends with examples."""
     raw = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
+        allow_abbrev=False,  # `train --epoch 3` is refused, not read as --epochs
         description="Run one PyTorch module over many devices on one batch, and get the "
         "batch right.",
         epilog=_examples(TRAIN_EXAMPLES[0], EXPLAIN_EXAMPLES[1], BENCH_EXAMPLES[0])
@@ -223,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train the tutorial's classifier on every device",
         description=_wrap(
             "Train the PyTorch tutorial's CIFAR-10 classifier (on scikit-learn's digits by "
@@ -241,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The options whose default comes from the dataset (the help names each dataset's value).
     for key, kind, metavar in (
-        ("epochs", _int_at_least(0), "N"),
-        ("batch_size", _int_at_least(1), "N"),
-        ("lr", _positive_float, None),
+        ("epochs", int_at_least(0), "N"),
+        ("batch_size", int_at_least(1), "N"),
+        ("lr", positive_float, None),
     ):
         t.add_argument(
             "--" + key.replace("_", "-"),
@@ -252,11 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{_PER_DATASET_HELP[key]} (default per dataset: {_per_dataset(key)})",
         )
     t.add_argument(
-        "--momentum", type=_momentum, default=0.9, help="SGD momentum (default: %(default)s)"
+        "--momentum", type=momentum, default=0.9, help="SGD momentum (default: %(default)s)"
     )
     t.add_argument(
         "--seed",
-        type=_seed,
+        type=seed,
         default=0,
         help="seed of the model's initial weights and of each epoch's order (default: %(default)s)",
     )
@@ -275,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--nproc-per-node",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=1,
         metavar="N",
         help="ddp: worker processes to launch on this machine; 1 runs in this process "
@@ -288,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--checkpoint",
+        type=path_of("run.pt"),
         metavar="PATH",
-        help="write a checkpoint to PATH after every epoch (default: none)",
+        help=f"write a checkpoint to PATH after every epoch; {FOLDER_MADE} (default: none)",
     )
     t.add_argument(
         "--resume",
@@ -304,11 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--plot",
+        type=path_of("run.png"),
         metavar="PATH",
         help=f"write a plot of loss and accuracy per epoch, in the format its suffix names "
-        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib (default: none)",
+        f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib; {FOLDER_MADE} "
+        f"(default: none)",
     )
-    t.add_argument("--json", metavar="PATH", help="write the final figures as JSON (default: none)")
+    t.add_argument(
+        "--json",
+        type=path_of("run.json"),
+        metavar="PATH",
+        help=f"write the final figures as JSON; {FOLDER_MADE} (default: none)",
+    )
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
         "--progress",
@@ -327,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "explain",
+        allow_abbrev=False,
         help="print how batches are split",
         description=_wrap(
             "Print the plan (how each input is split, per-sample or broadcast, and why, and "
@@ -348,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--batch-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         metavar="N",
         help=f"with --data: the batch size (default: the dataset's, {_per_dataset('batch_size')})",
     )
@@ -359,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
+        allow_abbrev=False,
         help="measure overhead and scaling against baselines (the quick set)",
         description=_wrap(
             "Run the quick benchmark set (ratios against baselines measured in the same run), "
@@ -374,8 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--out",
+        type=path_of("bench.json"),
         metavar="PATH",
-        help="JSON file (default: benchmarks/results/<timestamp>.json)",
+        help=f"JSON file; {FOLDER_MADE} (default: benchmarks/results/<timestamp>.json)",
     )
     return parser
 
@@ -496,6 +450,10 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _quiet(line: str) -> None:
+    """What a ddp worker other than rank 0 says about an error every rank raised: nothing."""
+
+
 def _silence_stdout() -> None:
     # Python flushes stdout again at exit and would print "Exception ignored ... BrokenPipe";
     # point the descriptor at /dev/null so that last flush succeeds quietly.
@@ -511,6 +469,10 @@ def _run(args_list: list[str]) -> int:
 
     rank = os.environ.get("RANK", "0")
     prefix = PROG if rank == "0" else f"{PROG} (rank {rank})"
+    # Under ddp every worker checks the same options and sees the same all-reduced loss, so a
+    # usage or training error is raised by every rank alike: rank 0 says it, once; the others
+    # end with the same exit code and no line of their own (not one line per rank, interleaved).
+    say = _say if rank == "0" or os.environ.get("WORLD_SIZE", "1") == "1" else _quiet
     try:
         args = build_parser().parse_args(args_list)
         if args.command == "train":
@@ -538,11 +500,11 @@ def _run(args_list: list[str]) -> int:
         if args.command == "bench":
             return _bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
-    except (_UsageError, UsageError) as exc:
-        _say(f"{prefix}: error: {_one_line(exc)}")
+    except (UsageParseError, UsageError) as exc:
+        say(f"{prefix}: error: {_one_line(exc)}")
         return 2
     except TrainingError as exc:
-        _say(f"{prefix}: error: {_one_line(exc)}")
+        say(f"{prefix}: error: {_one_line(exc)}")
         return 3
 
 
