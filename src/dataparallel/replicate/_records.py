@@ -149,10 +149,15 @@ class Target:
 
 class Ready:
     """What a sync that wrote or made every private buffer copy in place leaves for the
-    next: in the same mode, on the same buffers list and with no graph holding a copy, it is
-    one fused copy of ``sources`` into ``dests``."""
+    next: in the same mode, on the same buffers list and with no graph holding a copy or an
+    alias of one, it is one fused copy of ``sources`` into ``dests``.
 
-    __slots__ = ("buffers", "dests", "inference", "sources")
+    ``storages``: the address of each copy's storage, whose Python object ``kept`` holds, so
+    that its use count reads the same on every call until an alias appears (reading it through
+    ``tensor.untyped_storage()`` each call would cost a Python object per copy).
+    """
+
+    __slots__ = ("buffers", "dests", "inference", "kept", "sources", "storages")
 
     def __init__(
         self,
@@ -165,6 +170,8 @@ class Ready:
         self.buffers = buffers
         self.dests = dests
         self.sources = sources
+        self.kept = [d.untyped_storage() for d in dests]
+        self.storages = [s._cdata for s in self.kept]
 
 
 def tensor_slots(
