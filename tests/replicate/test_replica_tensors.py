@@ -276,3 +276,162 @@ def test_a_call_without_a_chunk_on_device_0_updates_running_statistics(
         assert_close_rel(out, ref, msg="output")
     for name, buf in oracle.named_buffers():
         assert_close_rel(dict(model.named_buffers())[name], buf, msg=name)
+
+
+# -- beyond the list: tensors held in plain attributes and containers, functional_call ------
+
+
+class Held(nn.Module):
+    """Tensors a module holds outside its tables: a plain attribute, a list, a dict. Replicas
+    share them by reference, as torch's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.table = torch.linspace(0.5, 1.5, 3)
+        self.pieces = [torch.ones(3), torch.full((3,), 0.5)]
+        self.named = {"shift": torch.zeros(3)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.table
+        for piece in self.pieces:
+            h = h * piece
+        return h + self.named["shift"]
+
+
+HELD: dict[str, Callable[[Held], Any]] = {
+    "attribute reassigned": lambda m: setattr(m, "table", torch.full((3,), 2.0)),
+    "attribute written in place": lambda m: m.table.mul_(3.0),
+    "attribute .data =": lambda m: setattr(m.table, "data", torch.full((3,), -1.0)),
+    "attribute swap_tensors": lambda m: _swap(m.table, torch.full((3,), 4.0)),
+    "list item replaced": lambda m: m.pieces.__setitem__(1, torch.full((3,), 3.0)),
+    "list appended": lambda m: m.pieces.append(torch.full((3,), -2.0)),
+    "list item written in place": lambda m: m.pieces[0].add_(1.0),
+    "dict item replaced": lambda m: m.named.__setitem__("shift", torch.ones(3)),
+    "dict item set_": lambda m: m.named["shift"].set_(torch.full((3,), 5.0)),
+}
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+@pytest.mark.parametrize("name", list(HELD))
+def test_a_tensor_held_outside_the_tables_is_seen(name: str, devices: list[str]) -> None:
+    torch.manual_seed(0)
+    model = Held()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    _warm(wrapper, x)
+    with torch.no_grad():
+        HELD[name](model)
+        HELD[name](oracle)
+    _check(wrapper, model, oracle, x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_requires_grad_toggled_between_calls(devices: list[str]) -> None:
+    model, oracle = _pair()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    for frozen in (True, False, True):
+        for m in (model, oracle):
+            m.zero_grad(set_to_none=True)
+            m.lin.requires_grad_(not frozen)
+            m.scale.requires_grad_(frozen)  # a buffer that asks for a gradient
+        out, ref = wrapper(x), oracle(x)
+        assert_close_rel(out, ref, msg=f"frozen={frozen}")
+        out.pow(2).sum().backward()
+        ref.pow(2).sum().backward()
+        _assert_grads(model, oracle)
+
+
+class Outer(nn.Module):
+    """torch.func.functional_call refuses an nn.DataParallel as its root: hold it as a child."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_functional_call_with_buffers_then_the_module_again(devices: list[str]) -> None:
+    model, oracle = _pair()
+    outer = Outer(dp.DataParallel(model, devices))
+    x = torch.randn(7, 4)
+    _warm(outer, x)
+    swapped = {
+        "bn.running_mean": torch.full((6,), 0.25),
+        "bn.running_var": torch.full((6,), 2.0),
+        "scale": torch.tensor([1.0, -1.0, 2.0]),
+        "out.bias": torch.zeros(3, requires_grad=True),
+    }
+    mine = {
+        f"inner.module.{k}": v.detach().clone().requires_grad_(v.requires_grad)
+        for k, v in swapped.items()
+    }
+    out = torch.func.functional_call(outer, mine, (x,))
+    ref = torch.func.functional_call(oracle, swapped, (x,))
+    assert_close_rel(out, ref, msg="functional_call")
+    out.sum().backward()
+    ref.sum().backward()
+    grad = mine["inner.module.out.bias"].grad
+    assert grad is not None and swapped["out.bias"].grad is not None
+    assert_close_rel(grad, swapped["out.bias"].grad, msg="out.bias")
+    _check(outer, model, oracle, x)  # and the module's own tensors afterwards
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_buffer_reassigned_with_another_dtype(devices: list[str]) -> None:
+    model, oracle = _pair()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    _warm(wrapper, x)
+    for m in (model, oracle):
+        m.scale = m.scale.double()
+    _check(wrapper, model, oracle, x)
+
+
+class Padded(nn.Module):
+    """A buffer whose shape shapes the output (concatenated beside the features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("pad", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.lin(x), self.pad.expand(x.shape[0], -1)], 1)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_a_buffer_resized_in_place_is_seen(size: int, devices: list[str]) -> None:
+    # resize_ to fewer elements keeps the storage (and its address); a shape that broadcasts
+    # onto the old one must not be copied into it
+    torch.manual_seed(0)
+    model = Padded()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    _warm(wrapper, x)
+    with torch.no_grad():
+        for m in (model, oracle):
+            m.pad.resize_(size).fill_(5.0)
+    _check(wrapper, model, oracle, x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_call_without_grad_between_a_call_and_its_backward(devices: list[str]) -> None:
+    # the no-grad call takes the fused in-place copy only if no graph saved an alias
+    model, oracle = _pair()
+    wrapper = dp.DataParallel(model, devices)
+    a = torch.randn(7, 4)
+    out = wrapper(a)
+    for mode in (torch.no_grad, torch.inference_mode, torch.no_grad):
+        with mode():
+            assert_close_rel(wrapper(a * 2), oracle(a * 2), msg=mode.__name__)
+    out.pow(2).sum().backward()
+    oracle(a).pow(2).sum().backward()
+    _assert_grads(model, oracle)

@@ -154,10 +154,22 @@ class Ready:
 
     ``storages``: the address of each copy's storage, whose Python object ``kept`` holds, so
     that its use count reads the same on every call until an alias appears (reading it through
-    ``tensor.untyped_storage()`` each call would cost a Python object per copy).
+    ``tensor.untyped_storage()`` each call would cost a Python object per copy). ``watched``:
+    each buffer copied once, and ``shapes`` theirs: the fused copy broadcasts, so a buffer
+    resized in place to a shape that broadcasts (``b.resize_(1)``, same address) would not
+    fail it.
     """
 
-    __slots__ = ("buffers", "dests", "inference", "kept", "sources", "storages")
+    __slots__ = (
+        "buffers",
+        "dests",
+        "inference",
+        "kept",
+        "shapes",
+        "sources",
+        "storages",
+        "watched",
+    )
 
     def __init__(
         self,
@@ -172,6 +184,8 @@ class Ready:
         self.sources = sources
         self.kept = [d.untyped_storage() for d in dests]
         self.storages = [s._cdata for s in self.kept]
+        self.watched = list({id(s): s for s in sources}.values())
+        self.shapes = [s.shape for s in self.watched]
 
 
 def tensor_slots(

@@ -314,11 +314,12 @@ class Replicas:
             and ready.buffers is buffers
             and max(map(_USE_COUNT, ready.dests), default=1) == 1
             and max(map(_STORAGE_USE_COUNT, ready.storages), default=_ALONE) == _ALONE
+            and list(map(_SHAPE, ready.watched)) == ready.shapes
         ):
             try:  # every copy free to write, as the last call left them
                 _copy_all(ready.dests, ready.sources)
                 return
-            except RuntimeError:  # a buffer's shape changed through .data: the careful path
+            except RuntimeError:  # pragma: no cover - the careful path says why
                 pass
         self.ready = None
         dests: list[torch.Tensor] = []
@@ -535,6 +536,7 @@ _USE_COUNT: Callable[[torch.Tensor], int] = getattr(torch.Tensor, "_use_count", 
 # So a private copy alone on its storage reads ``_ALONE`` while we hold its Python object;
 # an alias (``.detach()``, ``.data``, a view) a graph saved adds one.
 _ALONE = 2
+_SHAPE = operator.attrgetter("shape")
 _STORAGE_USE_COUNT: Callable[[int], int] = getattr(
     torch._C, "_storage_Use_Count", lambda cdata: _ALONE + 1
 )
