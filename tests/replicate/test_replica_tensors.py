@@ -435,3 +435,31 @@ def test_a_call_without_grad_between_a_call_and_its_backward(devices: list[str])
     out.pow(2).sum().backward()
     oracle(a).pow(2).sum().backward()
     _assert_grads(model, oracle)
+
+
+class SparseHolder(nn.Module):
+    """A sparse buffer: no storage, no data pointer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("mask", torch.eye(3).to_sparse())
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.mask, self.lin(x).t()).t() * self.gain
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_sparse_buffer_leaves_the_other_tensors_checked(devices: list[str]) -> None:
+    # a tensor without a data pointer must not switch off the check of the others
+    torch.manual_seed(0)
+    model = SparseHolder()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    _warm(wrapper, x)
+    with torch.no_grad():
+        for m in (model, oracle):
+            m.gain.data = m.gain.double() * 2  # seen through its data pointer only
+    _check(wrapper, model, oracle, x)

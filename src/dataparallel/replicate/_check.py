@@ -128,15 +128,15 @@ def _ptr(param: torch.Tensor) -> int | None:
         return None
 
 
-def _ptrs(tensors: list[torch.Tensor]) -> list[int] | None:
+def _ptrs(tensors: list[torch.Tensor]) -> list[int | None]:
     """Each tensor's storage address: ``.to()`` (with ``swap_tensors`` on conversion),
     ``t.data = u``, ``t.set_(u)`` and ``torch.utils.swap_tensors`` keep the tensor object but
-    move its data. ``None`` where a tensor has no storage to point at (a functorch wrapper or a
-    subclass), for which the identity check alone decides."""
+    move its data. ``None`` for a tensor with no storage to point at (a functorch wrapper, a
+    sparse tensor, a subclass), for which the identity check alone decides."""
     try:
         return list(map(_DATA_PTR, tensors))
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
+    except (RuntimeError, TypeError, NotImplementedError):  # one without: check the others
+        return list(map(_ptr, tensors))
 
 
 class _ModuleState:

@@ -43,6 +43,7 @@ once per replica set. Nothing here writes the user's modules.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
@@ -359,7 +360,9 @@ class Replicas:
                 for i in replica.private_slots:
                     mine_all.append(replica.private[i])  # type: ignore[arg-type]
                     theirs.append(buffers[i])
-            self.ready = Ready(inference, buffers, mine_all, theirs)
+            # A copy with no storage to count (sparse): the careful path on every call.
+            with contextlib.suppress(RuntimeError, TypeError, NotImplementedError):
+                self.ready = Ready(inference, buffers, mine_all, theirs)
 
     # -- the whole sync ---------------------------------------------------------------------
 
@@ -543,8 +546,12 @@ _STORAGE_USE_COUNT: Callable[[int], int] = getattr(
 
 
 def _aliased(tensor: torch.Tensor) -> bool:
-    """Whether another tensor shares ``tensor``'s storage (an alias a graph may have saved)."""
-    return _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata) > _ALONE
+    """Whether another tensor may share ``tensor``'s storage (an alias a graph may have
+    saved): always, for a tensor with no storage to count (sparse, a wrapper subclass)."""
+    try:
+        return _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata) > _ALONE
+    except (RuntimeError, TypeError, NotImplementedError):
+        return True
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
