@@ -463,3 +463,17 @@ def test_a_sparse_buffer_leaves_the_other_tensors_checked(devices: list[str]) ->
         for m in (model, oracle):
             m.gain.data = m.gain.double() * 2  # seen through its data pointer only
     _check(wrapper, model, oracle, x)
+
+
+@pytest.mark.parametrize("devices", [["cpu:1", "cpu"], ["cpu:1", "cpu:1"]], ids=["1-0", "1-1"])
+def test_replica_0_off_the_module_writes_back_only_what_changed(devices: list[str]) -> None:
+    # "cpu:1" first: replica 0 is a copy on every call, and its buffers are written back to
+    # the module after every call; an earlier call's graph saved the module's buffers
+    model, oracle = _pair()
+    wrapper = dp.DataParallel(model, devices)
+    a, b = torch.randn(7, 4), torch.randn(5, 4)
+    (wrapper(a).sum() * wrapper(b).sum()).backward()
+    (oracle(a).sum() * oracle(b).sum()).backward()
+    _assert_grads(model, oracle)
+    for name, buf in oracle.named_buffers():
+        assert_close_rel(dict(model.named_buffers())[name], buf, msg=name)
