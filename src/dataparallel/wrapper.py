@@ -498,13 +498,14 @@ def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
     """Give the module replica 0's buffers after a call that did not run it as replica 0.
 
     That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
-    weight): replica 0 then ran elsewhere on private buffers, and without this the module's
-    BatchNorm statistics would never update. Only the buffers replica 0's forward changed are
-    written, as the forward on one device would have: an earlier call's graph may have saved
-    the others (BatchNorm in ``eval()``, a buffer used as a factor), and an in-place write,
-    even of the same value, would break its backward. Values are compared, since BatchNorm
-    updates its running statistics without bumping their version. A rare path: its cost
-    (one comparison per buffer) is not paid by calls that use ``device_ids[0]``.
+    weight), or is another slot than the module's (``["cpu:1", ...]``): replica 0 then ran on
+    private buffers, and without this the module's BatchNorm statistics would never update.
+    Only the buffers replica 0's forward changed are written, as the forward on one device
+    would have: an earlier call's graph may have saved the others (BatchNorm in ``eval()``, a
+    buffer used as a factor, directly or through ``.detach()``), and an in-place write, even of
+    the same value, would break its backward. Values are compared, since BatchNorm updates its
+    running statistics without bumping their version; the cost (one comparison per buffer) is
+    paid only by calls whose replica 0 is not the module itself.
     """
     with torch.no_grad():
         for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
