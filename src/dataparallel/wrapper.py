@@ -476,18 +476,28 @@ class DataParallel(nn.DataParallel):
         """The module must be on ``device_ids[0]``: checked in full on the first call, then
         through two sentinel tensors (``model.to(...)`` moves them too), so a deep module does
         not pay a walk over every parameter per call. A misplaced tensor the sentinels miss
-        makes torch raise in the forward, and ``forward`` then runs the full check. The
-        sentinels are held weakly: a parameter the user replaces is freed, and the next call
-        checks in full again."""
-        sentinels: list[weakref.ref[torch.Tensor]] | None = self.__dict__.get("_sentinels")
+        makes torch raise in the forward, and ``forward`` then runs the full check.
+
+        A sentinel is a place, not a tensor: its module (held weakly), its table and its name,
+        read on each call. Nothing is attached to the user's tensors (a weak reference to one
+        makes ``torch.utils.swap_tensors``, and so ``module.to()`` under
+        ``set_swap_module_params_on_conversion(True)``, refuse it), and a tensor the user
+        replaces is freed at once; a place that no longer holds a tensor means a full check."""
+        sentinels: list[_Sentinel] | None = self.__dict__.get("_sentinels")
         device = self.src_device_obj
         if sentinels is not None:
-            tensors = [ref() for ref in sentinels]
+            tensors = [_sentinel_tensor(s) for s in sentinels]
             if all(t is not None and _same_device(t.device, device) for t in tensors):
                 return
         self._check_module_device_fully()
-        found = [*self.module.parameters(), *self.module.buffers()]
-        self.__dict__["_sentinels"] = [weakref.ref(t) for t in found[:1] + found[-1:]]
+        found = [
+            (weakref.ref(m), table, name)
+            for m in self.module.modules()
+            for table in ("_parameters", "_buffers")
+            for name, t in getattr(m, table).items()
+            if t is not None
+        ]
+        self.__dict__["_sentinels"] = found[:1] + found[-1:]
 
     def _check_module_device_fully(self) -> None:
         device = self.src_device_obj
@@ -577,22 +587,40 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
     )
 
 
+# Where a sentinel tensor lives: its module (held weakly), "_parameters" or "_buffers", its name.
+_Sentinel = tuple["weakref.ref[nn.Module]", str, str]
+
+
+def _sentinel_tensor(sentinel: _Sentinel) -> torch.Tensor | None:
+    ref, table, name = sentinel
+    module = ref()
+    if module is None:
+        return None
+    # A TorchScript module's tables are not in its __dict__, and have no .get.
+    tensors = getattr(module, table)
+    return tensors[name] if name in tensors else None  # noqa: SIM401
+
+
 def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
     """Give the module replica 0's buffers after a call that did not run it as replica 0.
 
     That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
-    weight): replica 0 then ran elsewhere on private buffers, and without this the module's
-    BatchNorm statistics would never update.
+    weight), or is another slot than the module's (``["cpu:1", ...]``): replica 0 then ran on
+    private buffers, and without this the module's BatchNorm statistics would never update.
+    Only the buffers replica 0's forward changed are written, as the forward on one device
+    would have: an earlier call's graph may have saved the others (BatchNorm in ``eval()``, a
+    buffer used as a factor, directly or through ``.detach()``), and an in-place write, even of
+    the same value, would break its backward. Values are compared, since BatchNorm updates its
+    running statistics without bumping their version; the cost (one comparison per buffer) is
+    paid only by calls whose replica 0 is not the module itself.
     """
-    pairs = [
-        (mine, theirs)
-        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True)
-        if mine is not theirs
-    ]
-    if pairs:
-        with torch.no_grad():
-            for mine, theirs in pairs:
-                mine.copy_(theirs)
+    with torch.no_grad():
+        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
+            if mine is theirs:
+                continue
+            value = theirs.to(mine.device)
+            if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
+                mine.copy_(value)
 
 
 def _named_tensors(module: nn.Module) -> Any:

@@ -5,7 +5,9 @@ Two checks, one cheap and complete, one exact about structure:
 - :class:`Snapshot` holds the identity of everything a replica copies from its source module:
   every value of every module's ``__dict__`` (plain attributes, training flags, the tables
   themselves), the contents of its parameter, buffer, child and hook tables, the names in the
-  first three, and each parameter's storage. ``Snapshot.same`` compares all of it in C
+  first three, and each parameter's and buffer's storage address (``p.data = t``,
+  ``b.set_(t)`` and ``torch.utils.swap_tensors`` keep the tensor object but move its data).
+  ``Snapshot.same`` compares all of it in C
   (``map(operator.is_, ...)``) on every call: any write is seen, through torch's methods or
   past them (``module._parameters[k] = p`` as loaders and ``torch.func.functional_call`` do,
   ``module.__dict__[k] = v``, ``child.compile()``), and nothing outside the tree is looked at,
@@ -126,20 +128,21 @@ def _ptr(param: torch.Tensor) -> int | None:
         return None
 
 
-def _ptrs(params: list[torch.Tensor]) -> list[int] | None:
-    """Each parameter's storage address: ``.to()`` and ``p.data = t`` keep the Parameter object
-    but move its data. ``None`` where a tensor has no storage to point at (a functorch wrapper
-    or a subclass), for which the identity check alone decides."""
+def _ptrs(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's storage address: ``.to()`` (with ``swap_tensors`` on conversion),
+    ``t.data = u``, ``t.set_(u)`` and ``torch.utils.swap_tensors`` keep the tensor object but
+    move its data. ``None`` for a tensor with no storage to point at (a functorch wrapper, a
+    sparse tensor, a subclass), for which the identity check alone decides."""
     try:
-        return list(map(_DATA_PTR, params))
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
+        return list(map(_DATA_PTR, tensors))
+    except (RuntimeError, TypeError, NotImplementedError):  # one without: check the others
+        return list(map(_ptr, tensors))
 
 
 class _ModuleState:
     """One module's part of a :class:`Snapshot`."""
 
-    __slots__ = ("counted", "keys", "lens", "named", "params", "ptrs", "vals", "valued")
+    __slots__ = ("counted", "keys", "lens", "named", "ptrs", "tensors", "vals", "valued")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
@@ -151,16 +154,23 @@ class _ModuleState:
         self.lens = list(map(len, self.counted))
         self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
         self.keys = list(chain.from_iterable(self.named))
-        params = d.get("_parameters")
-        self.params = [p for p in params.values() if p is not None] if params else []
-        self.ptrs = _ptrs(self.params)
+        # Parameters and buffers alike: a buffer's data moved past torch's methods must reach
+        # the private copies, which the fast path refreshes from the tensors it saw last.
+        self.tensors = [
+            t
+            for table in (d.get("_parameters"), d.get("_buffers"))
+            if table
+            for t in table.values()
+            if t is not None
+        ]
+        self.ptrs = _ptrs(self.tensors)
 
     def same(self) -> bool:
         return (
             list(map(len, self.counted)) == self.lens
             and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
             and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
-            and _ptrs(self.params) == self.ptrs
+            and _ptrs(self.tensors) == self.ptrs
         )
 
 
@@ -177,8 +187,8 @@ class Snapshot:
         "_lens",
         "_modules",
         "_named",
-        "_params",
         "_ptrs",
+        "_tensors",
         "_valued",
         "_values",
     )
@@ -199,8 +209,8 @@ class Snapshot:
             *chain.from_iterable(s.vals for s in states),
             *chain.from_iterable(s.keys for s in states),
         ]
-        self._params = list(chain.from_iterable(s.params for s in states))
-        self._ptrs = _ptrs(self._params)
+        self._tensors = list(chain.from_iterable(s.tensors for s in states))
+        self._ptrs = _ptrs(self._tensors)
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot (one pass, in C)."""
@@ -216,7 +226,7 @@ class Snapshot:
                     self._values,
                 )
             )
-            and _ptrs(self._params) == self._ptrs
+            and _ptrs(self._tensors) == self._ptrs
         )
 
     def changed(self) -> list[int]:

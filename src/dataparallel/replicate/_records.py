@@ -149,10 +149,27 @@ class Target:
 
 class Ready:
     """What a sync that wrote or made every private buffer copy in place leaves for the
-    next: in the same mode, on the same buffers list and with no graph holding a copy, it is
-    one fused copy of ``sources`` into ``dests``."""
+    next: in the same mode, on the same buffers list and with no graph holding a copy or an
+    alias of one, it is one fused copy of ``sources`` into ``dests``.
 
-    __slots__ = ("buffers", "dests", "inference", "sources")
+    ``storages``: the address of each copy's storage, whose Python object ``kept`` holds, so
+    that its use count reads the same on every call until an alias appears (reading it through
+    ``tensor.untyped_storage()`` each call would cost a Python object per copy). ``watched``:
+    each buffer copied once, and ``shapes`` theirs: the fused copy broadcasts, so a buffer
+    resized in place to a shape that broadcasts (``b.resize_(1)``, same address) would not
+    fail it.
+    """
+
+    __slots__ = (
+        "buffers",
+        "dests",
+        "inference",
+        "kept",
+        "shapes",
+        "sources",
+        "storages",
+        "watched",
+    )
 
     def __init__(
         self,
@@ -165,6 +182,10 @@ class Ready:
         self.buffers = buffers
         self.dests = dests
         self.sources = sources
+        self.kept = [d.untyped_storage() for d in dests]
+        self.storages = [s._cdata for s in self.kept]
+        self.watched = list({id(s): s for s in sources}.values())
+        self.shapes = [s.shape for s in self.watched]
 
 
 def tensor_slots(

@@ -29,9 +29,11 @@ Copy on write: a tensor that an autograd graph may have saved is never overwritt
 copies: only calls with grad enabled build graphs, and they always get new copies; the copies
 refreshed in place were made, and have only been used, by calls without grad (in the same
 mode: inference tensors stay inference tensors). Buffer copies: a graph that saved one holds
-a reference to it (``Tensor._use_count`` above 1) until backward frees the graph. So two calls
-then one backward, ``max_size`` waves, BatchNorm in ``eval()`` and buffers used as factors all
-differentiate what their own call saw.
+a reference to it (``Tensor._use_count`` above 1), and a graph that saved an alias of it
+(``buf.detach()``, ``buf.data``, a view), which shares its version counter, holds its storage
+(the storage's use count above one per tensor), until backward frees the graph. So two calls
+then one backward, ``max_size`` waves, BatchNorm in ``eval()`` and buffers used as factors,
+directly or through an alias, all differentiate what their own call saw.
 
 Compiled submodules: ``torch.compile(child)`` (an ``OptimizedModule``) is looked through, and
 a child compiled in place (``child.compile()``) loses its compiled call on the replicas: each
@@ -41,6 +43,7 @@ once per replica set. Nothing here writes the user's modules.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
@@ -295,12 +298,13 @@ class Replicas:
         """Bring every private buffer copy in line with the module's buffers.
 
         A copy is written in place only when nothing but this set holds it: its tensor's use
-        count is 1, so no autograd graph saved it (BatchNorm in ``eval()`` and a buffer used as
-        a factor are saved; ``Tensor._use_count`` drops back once the graph is freed). Else a
-        new copy is made. A buffer that requires grad is copied differentiably on every call
-        with grad enabled, as torch broadcasts it. The writes are one fused copy: BatchNorm
-        updates running statistics without bumping ``_version``, so no cheap test can tell
-        that either side changed.
+        count is 1 and no other tensor shares its storage, so no autograd graph saved it or an
+        alias of it (BatchNorm in ``eval()`` and a buffer used as a factor are saved,
+        ``buf.detach()`` and views share its version counter; both counts drop back once the
+        graph is freed). Else a new copy is made. A buffer that requires grad is copied
+        differentiably on every call with grad enabled, as torch broadcasts it. The writes are
+        one fused copy: BatchNorm updates running statistics without bumping ``_version``, so
+        no cheap test can tell that either side changed.
         """
         mode = _mode()
         inference = mode == "inference"
@@ -310,11 +314,13 @@ class Replicas:
             and ready.inference == inference
             and ready.buffers is buffers
             and max(map(_USE_COUNT, ready.dests), default=1) == 1
+            and max(map(_STORAGE_USE_COUNT, ready.storages), default=_ALONE) == _ALONE
+            and list(map(_SHAPE, ready.watched)) == ready.shapes
         ):
             try:  # every copy free to write, as the last call left them
                 _copy_all(ready.dests, ready.sources)
                 return
-            except RuntimeError:  # a buffer's shape changed through .data: the careful path
+            except RuntimeError:  # pragma: no cover - the careful path says why
                 pass
         self.ready = None
         dests: list[torch.Tensor] = []
@@ -337,11 +343,14 @@ class Replicas:
                         or mine.shape != b.shape
                         or mine.dtype != b.dtype
                         or _USE_COUNT(mine) != 1
+                        or _aliased(mine)
                     ):
                         row[i] = _copy_to(b.detach(), device)
                     else:
                         dests.append(mine)
-                        sources.append(b.detach())
+                        # The buffer itself, not an alias: an alias would keep reading the old
+                        # data after ``b.set_(t)`` or ``swap_tensors`` (the copy runs without grad).
+                        sources.append(b)
             _copy_all(dests, sources)
         if reusable:
             # Next time, in this mode, on these buffers: one fused copy and nothing else.
@@ -350,8 +359,10 @@ class Replicas:
             for replica in self.replicas:
                 for i in replica.private_slots:
                     mine_all.append(replica.private[i])  # type: ignore[arg-type]
-                    theirs.append(buffers[i].detach())
-            self.ready = Ready(inference, buffers, mine_all, theirs)
+                    theirs.append(buffers[i])
+            # A copy with no storage to count (sparse): the careful path on every call.
+            with contextlib.suppress(RuntimeError, TypeError, NotImplementedError):
+                self.ready = Ready(inference, buffers, mine_all, theirs)
 
     # -- the whole sync ---------------------------------------------------------------------
 
@@ -522,6 +533,25 @@ def _held_elsewhere(tensor: torch.Tensor) -> int:
 
 # How many owners a tensor has (1: only its Python object; a graph that saved it is another).
 _USE_COUNT: Callable[[torch.Tensor], int] = getattr(torch.Tensor, "_use_count", _held_elsewhere)
+
+# How many owners a storage has, from its address (``UntypedStorage._cdata``): one per tensor
+# on it, and one for its Python object (kept alive by whoever holds it, and only ever one).
+# So a private copy alone on its storage reads ``_ALONE`` while we hold its Python object;
+# an alias (``.detach()``, ``.data``, a view) a graph saved adds one.
+_ALONE = 2
+_SHAPE = operator.attrgetter("shape")
+_STORAGE_USE_COUNT: Callable[[int], int] = getattr(
+    torch._C, "_storage_Use_Count", lambda cdata: _ALONE + 1
+)
+
+
+def _aliased(tensor: torch.Tensor) -> bool:
+    """Whether another tensor may share ``tensor``'s storage (an alias a graph may have
+    saved): always, for a tensor with no storage to count (sparse, a wrapper subclass)."""
+    try:
+        return _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata) > _ALONE
+    except (RuntimeError, TypeError, NotImplementedError):
+        return True
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
