@@ -56,12 +56,6 @@ def test_a_bad_option_set_later_is_refused_as_at_construction(
     assert w(torch.randn(6, 4)).shape == (6, 2)  # and the wrapper still works
 
 
-def test_a_module_compiled_as_a_whole_is_refused_on_assignment() -> None:
-    w = dp.DataParallel(nn.Linear(4, 2), CPU2)
-    with pytest.raises(TypeError, match="compile the wrapper instead"):
-        w.module = torch.compile(nn.Linear(4, 2))
-
-
 class Pair(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x * 2, x.sum()

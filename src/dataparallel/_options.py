@@ -20,7 +20,6 @@ from dataparallel._output_rules import check_output_rules
 from dataparallel.devices import check_runnable, resolve_devices, target_device
 from dataparallel.gather import check_scalars
 from dataparallel.plan import build_plan
-from dataparallel.replicate._compiled import check_not_compiled
 
 if TYPE_CHECKING:
     from dataparallel.wrapper import DataParallel
@@ -84,7 +83,8 @@ def check_scalar_weights(scalar_weights: Any) -> Any:
 
 
 def _set_module(w: DataParallel, value: Any) -> Any:
-    check_not_compiled(check_module(value), w.device_ids)
+    # (A module compiled as a whole is refused at the next call, where replicate checks it.)
+    check_module(value)
     w.__dict__.pop("_sentinels", None)  # the new module's device is checked in full
     return value
 
@@ -93,7 +93,6 @@ def _set_device_ids(w: DataParallel, value: Any) -> Any:
     devices = resolve_devices(value)
     check_runnable(devices)
     check_plan_options(devices, w.dim, w.options)
-    check_not_compiled(w.module, devices)
     w.__dict__["src_device_obj"] = devices[0]
     w.__dict__.pop("_sentinels", None)
     return devices
