@@ -27,6 +27,13 @@ after another, so the result is one device's (:mod:`dataparallel._thread_state`)
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
 
+Under ``torch.use_deterministic_algorithms(True)``, replicas that share a random generator
+(every CPU replica shares the CPU's; replicas on one GPU share that GPU's) run one after
+another on the caller's thread, in replica order: threads drawing from one generator at once
+take their numbers in a racing order, so dropout would differ between two runs with the same
+seed. Without it they run at once and CPU lists are not reproducible. ``in_order`` is the one
+test of all the cases in which replicas run one after another.
+
 An exception in a replica is re-raised in the caller after every replica has finished, with the
 same type where it can be built from one message, naming the replica, its device and its input
 shapes, and chained from the original (whose traceback shows). Workers survive every error,
