@@ -148,3 +148,85 @@ def test_one_device_keeps_the_rules_errors_and_options() -> None:
     gen = (i for i in range(2))
     ((_, same), _) = one(torch.zeros(2, 2), gen)
     assert same is gen  # one chunk: an iterator is fine
+
+
+# ----------------------------------------------------------------- max_size waves: module state
+
+
+class Counting(nn.Module):
+    """Writes state in forward: a plain attribute, a buffer in place, and BatchNorm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen += x.shape[0]
+        return self.bn(self.lin(x))
+
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "mixed"])
+def test_waves_write_module_state_once_per_call_from_the_first_wave(devices: list[str]) -> None:
+    # One device: forward runs once per call. Under max_size the module itself runs once, as
+    # replica 0 of the first wave; later waves run on copies whose writes are dropped. So the
+    # counter and num_batches_tracked step once per call, and the running statistics are those
+    # of the first wave's replica 0 chunk (BatchNorm normalises each chunk on its own).
+    net = Counting()
+    ref = copy.deepcopy(net)
+    model = dp.DataParallel(net, devices, max_size=2)
+    x = torch.randn(12, 4)  # chunks of 2: BatchNorm needs two samples to train
+    for call in range(1, 3):
+        model(x)
+        assert model.last_call is not None and model.last_call.waves > 1
+        first = model.last_call.chunk_sizes[0]
+        ref.bn(ref.lin(x[:first]))  # what replica 0 of the first wave saw
+        assert net.calls == call
+        assert int(net.bn.num_batches_tracked) == call
+        assert int(net.seen) == call * first
+        torch.testing.assert_close(net.bn.running_mean, ref.bn.running_mean)
+        torch.testing.assert_close(net.bn.running_var, ref.bn.running_var)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "mixed"])
+def test_waves_give_one_devices_outputs_and_gradients(devices: list[str]) -> None:
+    from _close import assert_close_rel
+
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    x = torch.randn(11, 4)
+    out = dp.DataParallel(net, devices, max_size=2)(x)
+    want = ref(x)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert_close_rel(out, want, msg="output")
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert_close_rel(p.grad, q.grad, msg="grad")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- nested (jagged) tensor inputs
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize(
+    "devices", [["cpu"], *DEVICE_LISTS], ids=["one", "shared", "copied", "mixed"]
+)
+def test_a_nested_tensor_input_gets_the_rules_error_at_the_wrapper(
+    devices: list[str], layout: torch.layout
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        nt = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=layout)
+    model = dp.DataParallel(nn.Linear(4, 2), devices)
+    for call in (lambda: model(nt), lambda: model(x=nt), lambda: model.explain(nt)):
+        with pytest.raises(TypeError, match=r"^(args\[0\]|kwargs\['x'\]): a nested tensor") as info:
+            call()
+        assert "list(x.unbind())" in str(info.value)

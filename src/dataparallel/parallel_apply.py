@@ -27,6 +27,13 @@ after another, so the result is one device's (:mod:`dataparallel._thread_state`)
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
 
+Under ``torch.use_deterministic_algorithms(True)``, replicas that share a random generator
+(every CPU replica shares the CPU's; replicas on one GPU share that GPU's) run one after
+another on the caller's thread, in replica order: threads drawing from one generator at once
+take their numbers in a racing order, so dropout would differ between two runs with the same
+seed. Without it they run at once and CPU lists are not reproducible. ``in_order`` is the one
+test of all the cases in which replicas run one after another.
+
 An exception in a replica is re-raised in the caller after every replica has finished, with the
 same type where it can be built from one message, naming the replica, its device and its input
 shapes, and chained from the original (whose traceback shows). Workers survive every error,
@@ -53,7 +60,7 @@ from dataparallel._spans import Span, cuda_pool
 from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
 
-__all__ = ["apply_replicas", "describe_inputs", "parallel_apply"]
+__all__ = ["apply_replicas", "describe_inputs", "in_order", "parallel_apply", "wait_for"]
 
 THREAD_PREFIX = "dataparallel-"
 
@@ -434,6 +441,9 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
+    elif _deterministic() and _shared_generator(devices):  # reproducible draws: in order
+        for task in tasks:
+            _execute_first(task)
     else:
         replay = thread_state.replay()
         context = thread_state.copy_context()
@@ -447,6 +457,55 @@ def apply_replicas(
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
     _reraise(tasks, why)
     return [t.result for t in tasks]
+
+
+def _shared_generator(devices: Sequence[torch.device]) -> bool:
+    """Whether two replicas draw from one random generator: every CPU replica shares the one
+    CPU generator, replicas on one GPU (``[0, 0]``) share that GPU's."""
+    keys = ["cpu" if d.type == "cpu" else str(d) for d in devices]
+    return len(set(keys)) < len(keys)
+
+
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+
+def in_order(devices: Sequence[torch.device]) -> bool:
+    """Whether a call's replicas on ``devices``, made now from this thread, run one after
+    another on the calling thread (in replica order) rather than at once on the pool.
+
+    They do inside a pool worker (a nested call), under thread state the workers cannot share
+    (:mod:`dataparallel._thread_state`), and under ``torch.use_deterministic_algorithms(True)``
+    when two replicas share a random generator (every CPU replica shares the CPU's): threads
+    drawing from one generator at once take their numbers in a racing order, so dropout would
+    differ between two runs with the same seed. In order, replica 0 draws first, then replica
+    1, and so on: the same seed gives the same result. Code that needs every replica of a call
+    running at once (a collective across replicas) checks this first.
+    """
+    return len(devices) > 1 and (
+        getattr(_local, "in_worker", False)
+        or thread_state.must_run_inline()
+        or (_deterministic() and _shared_generator(devices))
+    )
+
+
+def wait_for(lock: Any) -> None:
+    """Take a wrapper's call lock that another thread holds.
+
+    A pool worker never waits: the holder may be the very call it is running a replica for
+    (a wrapper reachable from the replicas of another wrapper's module outside its tree, a
+    plain attribute or a closure, is the same object on every replica), and waiting would hang
+    for good. It is refused at once instead. Any other thread waits its turn.
+    """
+    if getattr(_local, "in_worker", False):
+        raise RuntimeError(
+            "DataParallel: a wrapper called from a replica's forward on a pool worker is busy "
+            "with a call on another thread, expected a wrapper of its own for each replica: "
+            "the wrapper is reachable from the replicas outside the module tree (a plain "
+            "attribute, a list, a closure), so every replica shares it and waiting could hang "
+            "for good. Register it as a submodule (self.inner = dp.DataParallel(...)): each "
+            "replica then gets its own copy"
+        )
+    lock.acquire()
 
 
 def _apply_here(

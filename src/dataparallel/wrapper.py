@@ -18,6 +18,14 @@ import torch
 from torch import nn
 
 from dataparallel._losses import ScalarWeights, chunk_weights
+from dataparallel._options import (
+    CHECKED,
+    check_dim,
+    check_module,
+    check_plan_options,
+    check_scalar_weights,
+    plan_option,
+)
 from dataparallel._origins import Origins
 from dataparallel._output_rules import check_output_rules
 from dataparallel._partial_sums import (
@@ -39,7 +47,7 @@ from dataparallel.gather import (
     gather,
     gather_outputs,
 )
-from dataparallel.parallel_apply import apply_replicas, parallel_apply
+from dataparallel.parallel_apply import _infer_device, apply_replicas, parallel_apply, wait_for
 from dataparallel.plan import Plan, build_plan
 from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import ReplicaSets
@@ -52,6 +60,19 @@ from dataparallel.replicate._compiled import (
 from dataparallel.scatter import take
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]
+
+# What a wrapper keeps for its calls, not as its state: a copy (deepcopy, pickle) or a replica
+# (a wrapper nested in a replicated module) starts without them and makes its own, so no two
+# objects ever share a lock or a set of replicas.
+_RUNTIME = (
+    "_calls",
+    "_lock",
+    "_replica_sets",
+    "_sentinels",
+    "_plans",
+    "_here",
+    "_compiled_replicas",
+)
 
 
 class DataParallel(nn.DataParallel):
@@ -106,6 +127,14 @@ class DataParallel(nn.DataParallel):
     device_ids: list[torch.device]  # type: ignore[assignment]
     output_device: torch.device  # type: ignore[assignment]
 
+    # The batch options, read and set as attributes (``w.max_size = 4``), kept in ``options``.
+    batch_size = plan_option("batch_size")
+    chunk_sizes = plan_option("chunk_sizes")
+    weights = plan_option("weights")
+    max_size = plan_option("max_size")
+    dtype = plan_option("dtype")
+    strict = plan_option("strict")
+
     def __init__(
         self,
         module: nn.Module,
@@ -127,8 +156,7 @@ class DataParallel(nn.DataParallel):
     ) -> None:
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
-        _check_module(module)
-        self.module = module
+        self.module = check_module(module)
         self.device_ids = resolve_devices(device_ids)
         check_runnable(self.device_ids)
         self.output_device = (
@@ -139,7 +167,7 @@ class DataParallel(nn.DataParallel):
         check_runnable([self.output_device], where="output_device", indexed=False)
         self.src_device_obj = self.device_ids[0]
         check_not_compiled(module, self.device_ids)
-        self.dim = dim
+        self.dim = check_dim(dim)
         self.options: dict[str, Any] = {
             "batch_size": batch_size,
             "chunk_sizes": chunk_sizes,
@@ -149,23 +177,32 @@ class DataParallel(nn.DataParallel):
             "strict": strict,
         }
         # Validate the options once, now, rather than at the first call.
-        probe = dict(self.options)
-        if batch_size is None:
-            probe["batch_size"] = _probe_batch(chunk_sizes)
-        build_plan((), None, self.device_ids, dim, **probe)
+        check_plan_options(self.device_ids, self.dim, self.options)
         self.scalars = check_scalars(scalars)
         self.gather_outputs = gather
-        if scalar_weights is not None and not callable(scalar_weights):
-            raise TypeError(
-                f"scalar_weights: expected a function (chunk_args, chunk_kwargs) -> number, got "
-                f"{type(scalar_weights).__name__}; e.g. lambda a, kw: (kw['labels'] != -100).sum()"
-            )
-        self.scalar_weights = scalar_weights
+        self.scalar_weights = check_scalar_weights(scalar_weights)
         self.output_rules = check_output_rules(output_rules)
         # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
         self.compile_options = check_compile_option(compile)
         self._warned: set[tuple[str, ...]] = set()
-        self._find_overrides()
+        self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Options set on a built wrapper (``w.scalars = "sum"``, ``w.output_rules = {...}``,
+        ``w.device_ids``, ``w.module``...) are checked as the constructor checks them."""
+        check = CHECKED.get(name)
+        if check is not None and "_steps" in self.__dict__:
+            value = check(self, value)
+        super().__setattr__(name, value)
+
+    def _replicate_for_data_parallel(self) -> DataParallel:
+        """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
+        with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
+        replica's own device (``_run_here``)."""
+        replica = super()._replicate_for_data_parallel()
+        for name in _RUNTIME:
+            replica.__dict__.pop(name, None)
+        return replica
 
     # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
 
@@ -191,7 +228,7 @@ class DataParallel(nn.DataParallel):
         # starts with no last call, a lock of its own, no replicas and no device sentinels
         # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in _TRANSIENT:
+        for name in _RUNTIME:
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -222,18 +259,44 @@ class DataParallel(nn.DataParallel):
         thread sharing it take turns): its replicas are one set of objects, re-synced for each
         call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
         saved. Threads that must run at once use a wrapper each (they share the module).
+        A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
         """
         if torch.compiler.is_compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
             # threads and locks), with a warning naming compile=.
             return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
-        with self._call_lock():
+        if "_is_replica" in self.__dict__:  # a copy in another wrapper's replica
+            self._run_here(inputs, kwargs)
+        lock = self._call_lock()
+        if not lock.acquire(blocking=False):
+            wait_for(lock)
+        try:
             self._check_module_device()
             try:
                 return self._pipeline(inputs, kwargs)
             except RuntimeError:
                 self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
                 raise
+        finally:
+            lock.release()
+
+    def _run_here(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Make this copy of a nested wrapper run its calls on its replica's own device.
+
+        A wrapper inside a wrapped module (``model.encoder = dp.DataParallel(enc)``) is
+        replicated with it. Replica 0 is the wrapper itself: its calls split replica 0's chunk
+        over its own devices. Each other replica holds a copy (``_replicate_for_data_parallel``)
+        whose module is that replica's copy, on that replica's device: the copy runs its chunk
+        there, as one device (``device_ids[0]`` may be a device the copy's tensors are not on).
+        The outer wrapper has already split the batch, so the result is one device's either way.
+        """
+        d = self.__dict__
+        if d.get("_here") is None:
+            device = _infer_device(self.module, inputs, kwargs)
+            d["device_ids"] = [device]
+            d["src_device_obj"] = d["output_device"] = device
+            d["options"] = {**d["options"], "chunk_sizes": None, "weights": None}
+            d["_here"] = device
 
     # mmcv's and mmengine's step methods, where the module has them (dataparallel._steps)
     train_step = StepMethod()
@@ -269,7 +332,7 @@ class DataParallel(nn.DataParallel):
         chunk_args: list[Any] = []
         chunk_kws: list[Any] = []
         chunk_replicas: list[nn.Module] = []
-        for wave in plan.slices:
+        for later, wave in enumerate(plan.slices):
             args, kws, wave_devices, wave_sizes = self._scatter_wave(
                 plan, wave, inputs, kwargs, steps
             )
@@ -278,8 +341,10 @@ class DataParallel(nn.DataParallel):
             if share:
                 counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
                 kws = shared_counts(kws, counted, total or float(sum(counted)))
-            replicas = self._replicate_wave(wave_devices)
-            outputs += self._apply_wave(replicas, args, kws, wave_devices, steps, timers, method)
+            replicas = self._replicate_wave(wave_devices, bool(later))
+            outputs += self._apply_wave(
+                replicas, args, kws, wave_devices, steps, timers, later, method
+            )
             devices += wave_devices
             sizes += wave_sizes
             chunk_args += args
@@ -362,8 +427,17 @@ class DataParallel(nn.DataParallel):
         sizes = [first_batch_size((a, k), self.dim) or 0 for a, k in zip(args, kws, strict=True)]
         return args, kws, devices[: len(args)], sizes
 
-    def _replicate_wave(self, devices: list[torch.device]) -> list[nn.Module]:
-        """Replica 0 is the module itself: one chunk on its own device needs no replicate."""
+    def _replicate_wave(self, devices: list[torch.device], later: bool) -> list[nn.Module]:
+        """Replica 0 is the module itself: one chunk on its own device needs no replicate.
+
+        Under ``max_size`` the module runs once per call, as on one device: in the first wave.
+        Every later wave runs on copies only (the replicas after the module's own in a set with
+        one more replica in front), so what a forward writes (``self.calls += 1``, BatchNorm's
+        running statistics and ``num_batches_tracked``) lands once per call, from the first
+        wave's replica 0; the copies' writes are dropped.
+        """
+        if later:
+            return self.replicate(self.module, [self.src_device_obj, *devices])[1:]
         if len(devices) == 1 and devices[0] == self.src_device_obj:
             return [self.module]
         return self.replicate(self.module, devices)
@@ -376,6 +450,7 @@ class DataParallel(nn.DataParallel):
         devices: list[torch.device],
         steps: _Overrides,
         timers: list[Any],
+        later: int,
         method: str | None = None,
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
@@ -393,7 +468,7 @@ class DataParallel(nn.DataParallel):
             timers += [float("nan")] * len(devices)
         else:
             outputs = apply_replicas(run, args, kws, devices, timers)
-        if replicas[0] is not self.module:
+        if replicas[0] is not self.module and not later:  # a later wave's writes are dropped
             _copy_buffers_back(replicas[0], self.module)
         return outputs
 
@@ -521,8 +596,6 @@ class DataParallel(nn.DataParallel):
                 warn_user(message)
 
 
-# What a copy or a pickle of a wrapper does not take (see __getstate__).
-_TRANSIENT = ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans", "_compiled_replicas")
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
 
 
@@ -552,29 +625,10 @@ def _overrides(cls: type) -> _Overrides:
     )
 
 
-def _probe_batch(chunk_sizes: Sequence[int] | None) -> int:
-    """A batch size that lets the constructor validate the options against the devices."""
-    if chunk_sizes is None:
-        return 1
-    try:
-        return max(1, int(sum(chunk_sizes)))
-    except TypeError:
-        return 1
-
-
 def _same_device(found: torch.device, expected: torch.device) -> bool:
     """Whether a tensor on ``found`` is where ``expected`` wants it: any CPU index is the CPU
     (``"cpu:1"`` names a second CPU replica, but a tensor cannot be moved "to" it)."""
     return found == expected or (found.type == "cpu" and expected.type == "cpu")
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, nn.Module):
-        what = "a function" if callable(module) else type(module).__name__
-        raise TypeError(
-            f"module: expected a torch.nn.Module, got {what} ({module!r:.60}); wrap a function "
-            f"in an nn.Module whose forward calls it"
-        )
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:
@@ -656,6 +710,25 @@ def data_parallel(
             f"or put positional arguments in inputs as a tuple"
         )
     wrapper = DataParallel(module, device_ids, output_device, dim, **opts)
-    # One wrapper per call: the replicas live in dp.replicate's table, reused across calls.
+    # One wrapper per call: the replicas live in dp.replicate's table, reused across calls,
+    # so every call on this module takes the module's one lock (a training thread and an
+    # evaluation thread take turns, as through one wrapper).
     wrapper.__dict__["_replica_sets"] = ReplicaSets(shared=True)
+    wrapper.__dict__["_lock"] = _module_lock(module)
     return wrapper(*args, **(module_kwargs or {}))
+
+
+_MODULE_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_MODULE_LOCKS_LOCK = threading.Lock()
+
+
+def _module_lock(module: nn.Module) -> threading.RLock:
+    """The call lock ``data_parallel`` shares for ``module`` (held weakly, made on first use)."""
+    try:
+        with _MODULE_LOCKS_LOCK:
+            lock = _MODULE_LOCKS.get(module)
+            if lock is None:
+                lock = _MODULE_LOCKS[module] = threading.RLock()
+            return lock
+    except TypeError:  # an unhashable module class: fresh replicas per call, nothing shared
+        return threading.RLock()

@@ -87,14 +87,17 @@ def _plain_tensors(
     """The key of a call whose arguments are all plain tensors (a few attribute reads each),
     or ``None`` for any other call."""
     parts: list[Any] = []
-    for a in inputs:
-        if type(a) is not _Tensor:
-            return None
-        parts += (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
-    for k, a in kwargs.items():
-        if type(a) is not _Tensor:
-            return None
-        parts += (k, a.shape, a.layout, a.device) if with_device else (k, a.shape, a.layout)
+    try:
+        for a in inputs:
+            if type(a) is not _Tensor:
+                return None
+            parts += (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
+        for k, a in kwargs.items():
+            if type(a) is not _Tensor:
+                return None
+            parts += (k, a.shape, a.layout, a.device) if with_device else (k, a.shape, a.layout)
+    except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+        return None
     return tuple(parts)
 
 
