@@ -21,6 +21,7 @@ from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel._syncbn import SyncCall, SyncLayers, sync_layers_for
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -166,7 +167,7 @@ class DataParallel(nn.DataParallel):
         # starts with no last call, a lock of its own, no replicas and no device sentinels
         # (made again at its first call). Kept plans are a cache, not state: made again too.
         state = self.__dict__.copy()
-        for name in ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans"):
+        for name in ("_calls", "_lock", "_replica_sets", "_sentinels", "_plans", "_sync_layers"):
             state.pop(name, None)
         state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
         return state
@@ -291,19 +292,35 @@ class DataParallel(nn.DataParallel):
         timers: list[Any],
     ) -> list[Any]:
         alone = len(replicas) == 1 and replicas[0] is self.module
+        sync = None if len(replicas) < 2 else self._sync_call(replicas, devices)
         if steps.parallel_apply and not alone:
-            # an override may call super().parallel_apply: it needs this wave's devices
+            # an override may call super().parallel_apply: it needs this wave's devices (and
+            # the wave's SyncBatchNorm rendezvous)
             self.__dict__["_wave_devices"] = devices
+            self.__dict__["_wave_sync"] = sync
             try:
                 outputs = self.parallel_apply(replicas, args, kws)
             finally:
                 self.__dict__.pop("_wave_devices", None)
+                self.__dict__.pop("_wave_sync", None)
             timers += [float("nan")] * len(devices)
         else:
-            outputs = apply_replicas(replicas, args, kws, devices, timers)
+            outputs = apply_replicas(replicas, args, kws, devices, timers, sync)
         if replicas[0] is not self.module:
             _copy_buffers_back(replicas[0], self.module)
         return outputs
+
+    def _sync_call(
+        self, replicas: list[nn.Module], devices: list[torch.device]
+    ) -> SyncCall | None:
+        """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
+        the module has no such layer in training mode. The layers are found once per replica
+        set; a call then costs one identity check per replica and one flag per layer."""
+        tables: list[SyncLayers] = self.__dict__.get("_sync_layers") or []
+        table = sync_layers_for(tables, replicas)
+        if not tables or table is not tables[0]:  # newest first; waves may use two sets
+            self.__dict__["_sync_layers"] = [table, *[t for t in tables if t is not table][:3]]
+        return table.call(devices) if table.layers else None
 
     def _gather_all(
         self,
@@ -358,7 +375,8 @@ class DataParallel(nn.DataParallel):
     ) -> list[Any]:
         """torch's signature: run each replica on its inputs, on the pool's threads."""
         devices = self.__dict__.get("_wave_devices") or self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices)
+        sync = self.__dict__.get("_wave_sync")
+        return parallel_apply(replicas, inputs, kwargs, devices, syncbn=sync)
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """torch's signature: one output on ``output_device``, chunk sizes inferred."""

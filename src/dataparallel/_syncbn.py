@@ -1,0 +1,394 @@
+"""``nn.SyncBatchNorm`` synchronised across the replicas of one call.
+
+Plain BatchNorm in a data-parallel call normalises each chunk with that chunk's statistics, so
+outputs, gradients and running statistics differ from one device's. torch's answer is DDP and
+``nn.SyncBatchNorm``, whose forward synchronises over a ``torch.distributed`` process group
+and, with none initialised, falls back to ``F.batch_norm`` on its own input. Here the replicas
+of one call are threads of one process, so the layers can meet without a process group:
+
+- the wrapper finds the ``SyncBatchNorm`` layers once per replica set (:class:`SyncLayers`) and,
+  for a call with two or more replicas and a layer in training mode, makes a
+  :class:`SyncCall`: a rendezvous the replicas meet at, one slot per layer use;
+- each replica's forward runs under a ``TorchFunctionMode`` of its own (thread-local, entered on
+  the replica's thread) that intercepts the ``F.batch_norm`` call made by
+  ``nn.SyncBatchNorm.forward`` (found by its code object on the stack, so plain ``BatchNorm*``
+  layers, and any other caller, keep torch's per-chunk behaviour) and nothing else;
+- the replica computes its chunk's per-channel mean and biased variance (float32 at least) and
+  count, and hands them to the slot; the last replica to arrive combines them on the first
+  replica's device with differentiable ops (the parallel-variance formula), and each replica
+  normalises its chunk with the whole batch's mean and variance, moved to its device. The
+  combine is ordinary autograd graph shared by the replicas' outputs, so backward (run by
+  autograd's engine, never by the pool) needs no barrier and gives one device's gradients;
+- the running statistics are written once, by replica 0 (the module itself, or the replica
+  whose buffers the wrapper copies back), from the whole batch's mean and unbiased variance;
+  ``num_batches_tracked`` is counted once because only replica 0's count is kept.
+
+Nothing can hang: a replica that finishes its forward without reaching a layer the others
+reach leaves the slot (the layer's statistics are then those of the replicas that reached it),
+a replica that fails releases the others with ``ReplicaFailed`` (the caller re-raises the
+original error), and a wait longer than ``WAIT_SECONDS`` is an error. The rendezvous is used
+only when the pool runs the replicas at once (``concurrent``): replicas run one after another
+(under a ``torch.func`` transform or a dispatch mode, or nested in a replica) normalise each
+chunk on its own, with a warning. Under an initialised process group (DDP), torch's own
+``SyncBatchNorm`` path runs and nothing here intervenes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from dataparallel._warn import warn_user
+
+__all__: list[str] = []
+
+# How long a replica waits for the others at one layer before the call fails. The wait is the
+# time between the fastest and the slowest replica reaching that layer: seconds at most, unless
+# a replica is stuck.
+WAIT_SECONDS = 300.0
+
+_BATCH_NORM = F.batch_norm
+_SYNC_FORWARD = nn.SyncBatchNorm.forward.__code__
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class ReplicaFailed(RuntimeError):
+    """Raised in a replica waiting at a SyncBatchNorm layer when another replica failed: the
+    caller reports the other replica's own error first."""
+
+
+def sync_layer_names(module: nn.Module) -> tuple[list[str], list[str]]:
+    """``(synchronised, per_chunk)``: the qualified names of the ``nn.SyncBatchNorm`` layers
+    and of the other BatchNorm layers (``BatchNorm1d/2d/3d``, lazy ones) in ``module``."""
+    synced: list[str] = []
+    per_chunk: list[str] = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm):
+            synced.append(name or "(the module itself)")
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            per_chunk.append(name or "(the module itself)")
+    return synced, per_chunk
+
+
+class SyncLayers:
+    """The ``SyncBatchNorm`` layers of one replica set: for each replica, layer object id to
+    the layer's index in preorder (the same index on every replica). Built once per set of
+    replica objects (a rebuilt set has new objects), kept by the wrapper."""
+
+    __slots__ = ("index", "layers", "names", "roots", "warned")
+
+    def __init__(self, replicas: Sequence[nn.Module]) -> None:
+        self.roots = tuple(replicas)  # held: keeps the ids below valid
+        self.index: list[dict[int, int]] = []
+        self.layers: list[nn.Module] = []  # replica 0's, for the training check
+        self.names: list[str] = []
+        for j, root in enumerate(replicas):
+            found = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+            self.index.append({id(m): k for k, (_, m) in enumerate(found)})
+            if j == 0:
+                self.layers = [m for _, m in found]
+                self.names = [n or "(the module itself)" for n, _ in found]
+        self.warned = False
+
+    def matches(self, replicas: Sequence[nn.Module]) -> bool:
+        """Whether these are the replica objects this table was built for."""
+        roots = self.roots
+        return len(roots) == len(replicas) and all(
+            a is b for a, b in zip(roots, replicas, strict=True)
+        )
+
+    def call(self, devices: Sequence[torch.device]) -> SyncCall | None:
+        """A rendezvous for one call, or ``None`` when no layer is in training mode (eval mode
+        uses the running statistics: nothing to synchronise) or there is one replica."""
+        if len(self.roots) < 2 or not any(layer.training for layer in self.layers):
+            return None
+        return SyncCall(self, list(devices))
+
+
+def sync_layers_for(cached: Sequence[SyncLayers], replicas: Sequence[nn.Module]) -> SyncLayers:
+    """The table of ``cached`` built for these replica objects, else a new one."""
+    for table in cached:
+        if table.matches(replicas):
+            return table
+    return SyncLayers(replicas)
+
+
+class _Slot:
+    """One use of one layer in one call: each replica's (mean, var, count), then the result."""
+
+    __slots__ = ("parts", "result")
+
+    def __init__(self, n: int) -> None:
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * n
+        self.result: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+
+class SyncCall:
+    """The rendezvous of one call's replicas (see the module docstring).
+
+    ``concurrent`` is set by the runner when, and only when, the replicas run at once on the
+    pool; otherwise every replica runs its SyncBatchNorm layers per chunk (with a warning), so
+    a runner that goes one replica after another can never wait on itself.
+    """
+
+    def __init__(self, table: SyncLayers, devices: list[torch.device]) -> None:
+        self.table = table
+        self.devices = devices
+        self.n = len(devices)
+        self.concurrent = False
+        self.why = ""  # set by the runner when the replicas ran one after another
+        self.timeout = WAIT_SECONDS
+        self.cond = threading.Condition(threading.Lock())
+        self.slots: dict[tuple[Any, int], _Slot] = {}
+        self.left: set[int] = set()
+        self.failure: tuple[int, BaseException] | None = None
+
+    def bind(self, modules: Sequence[Any]) -> list[Callable[..., Any]]:
+        """One callable per replica that runs it inside its rendezvous context."""
+        return [_Bound(self, j, m) for j, m in enumerate(modules)]
+
+    # -- the runner's side ----------------------------------------------------------------
+
+    def run(self, j: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.concurrent:
+            if j == 0:
+                self._warn_sequential()
+            return module(*args, **kwargs)
+        try:
+            with _Mode(self, j):
+                result = module(*args, **kwargs)
+        except BaseException as exc:
+            self.leave(j, exc)
+            raise
+        self.leave(j, None)
+        return result
+
+    def leave(self, j: int, error: BaseException | None) -> None:
+        """Replica ``j`` finished (``error`` when it failed): slots it never reached complete
+        without it, or, after a failure, release their waiters with ``ReplicaFailed``."""
+        with self.cond:
+            self.left.add(j)
+            if error is not None and self.failure is None and not isinstance(error, ReplicaFailed):
+                self.failure = (j, error)
+            if self.failure is None:
+                for slot in self.slots.values():
+                    self._complete(slot)
+            self.cond.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        """The runner was interrupted: release every waiting replica."""
+        with self.cond:
+            if self.failure is None:
+                self.failure = (-1, error)
+            self.cond.notify_all()
+
+    def _warn_sequential(self) -> None:
+        if self.table.warned:
+            return
+        self.table.warned = True
+        why = f" (under {self.why})" if self.why else ""
+        warn_user(
+            f"SyncBatchNorm layers ({', '.join(self.table.names[:3])}"
+            f"{', ...' if len(self.table.names) > 3 else ''}) normalised each chunk with its "
+            f"own statistics in this call: the replicas ran one after another{why}, so they "
+            f"cannot meet; run the call outside that state, or on one device, for whole-batch "
+            f"statistics"
+        )
+
+    # -- the layer's side -------------------------------------------------------------------
+
+    def batch_norm(
+        self,
+        mode: _Mode,
+        layer: nn.Module,
+        input: torch.Tensor,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        training: bool = False,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+    ) -> torch.Tensor:
+        """``F.batch_norm`` for replica ``mode.index`` with the whole call's statistics."""
+        j = mode.index
+        k: Any = self.table.index[j].get(id(layer)) if j < len(self.table.index) else None
+        if k is None:  # a layer outside the tree (shared by every replica): its id is the key
+            k = ("id", id(layer))
+        use = mode.seen.get(k, 0)
+        mode.seen[k] = use + 1
+        x = input
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        count = x.numel() // channels
+        xf = x.float() if x.dtype in _LOW_PRECISION else x
+        if count:
+            var_j, mean_j = torch.var_mean(xf, dim=dims, correction=0)
+        else:  # an empty chunk: counts for nothing
+            mean_j = var_j = xf.new_zeros(channels)
+        mean, var, total = self._exchange(j, (k, use), mean_j, var_j, count, layer)
+        if total == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{list(x.shape)} on this replica and 1 value per channel over the whole batch "
+                f"(SyncBatchNorm normalises over every replica's chunk)"
+            )
+        if j == 0 and running_mean is not None and running_var is not None and total > 0:
+            with torch.no_grad():  # once per call, as one device's F.batch_norm would
+                unbiased = var * (total / (total - 1))
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        scale = torch.rsqrt(var + eps)
+        if weight is not None:
+            scale = scale * weight
+        shift = -mean * scale if bias is None else bias - mean * scale
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        out = torch.addcmul(shift.view(shape), xf, scale.view(shape))
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _exchange(
+        self,
+        j: int,
+        key: tuple[Any, int],
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        count: int,
+        layer: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Hand in replica ``j``'s statistics for ``key``; the whole call's, on ``mean``'s
+        device, once every replica has handed in or left."""
+        with self.cond:
+            slot = self.slots.get(key)
+            if slot is None:
+                slot = self.slots[key] = _Slot(self.n)
+            slot.parts[j] = (mean, var, count)
+            self._complete(slot)
+            if slot.result is None:
+                self.cond.notify_all()
+            deadline = time.monotonic() + self.timeout
+            while slot.result is None:
+                if self.failure is not None:
+                    raise self._released(key)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [
+                        i for i, p in enumerate(slot.parts) if p is None and i not in self.left
+                    ]
+                    error = TimeoutError(
+                        f"SyncBatchNorm layer {self._name(key)}: replica {j} waited "
+                        f"{self.timeout:g} s for replicas {missing} to reach it; a replica is "
+                        f"stuck, or the replicas ran one after another (run the call on one "
+                        f"device, or convert the layer back to BatchNorm)"
+                    )
+                    self.failure = (j, error)
+                    self.cond.notify_all()
+                    raise error
+                self.cond.wait(left)
+            mean_all, var_all, total = slot.result
+        device = mean.device
+        return mean_all.to(device), var_all.to(device), total
+
+    def _complete(self, slot: _Slot) -> None:
+        """Combine the slot's statistics when every replica has handed in or left (under the
+        lock; differentiable, on the first contributor's device)."""
+        if slot.result is not None:
+            return
+        if any(p is None and i not in self.left for i, p in enumerate(slot.parts)):
+            return
+        parts = [p for p in slot.parts if p is not None]
+        if not parts:  # pragma: no cover - a slot exists only once a replica handed in
+            return
+        full = [p for p in parts if p[2] > 0]
+        total = sum(p[2] for p in full)
+        if not full:
+            slot.result = (parts[0][0], parts[0][1], 0)
+            return
+        device = full[0][0].device
+        means = torch.stack([m.to(device) for m, _, _ in full])
+        variances = torch.stack([v.to(device) for _, v, _ in full])
+        weights = torch.tensor(
+            [c / total for _, _, c in full], dtype=means.dtype, device=device
+        ).unsqueeze(1)
+        mean = (means * weights).sum(0)
+        var = ((variances + (means - mean).square()) * weights).sum(0)
+        slot.result = (mean, var, total)
+
+    def _name(self, key: tuple[Any, int]) -> str:
+        k, use = key
+        name = self.table.names[k] if isinstance(k, int) else "(outside the module tree)"
+        return repr(name) + (f" (use {use + 1})" if use else "")
+
+    def _released(self, key: tuple[Any, int]) -> ReplicaFailed:
+        i, error = self.failure or (-1, RuntimeError("unknown"))
+        who = "the call was interrupted" if i < 0 else f"replica {i} failed"
+        return ReplicaFailed(
+            f"SyncBatchNorm layer {self._name(key)}: stopped waiting because {who} "
+            f"({type(error).__name__}: {error})"
+        )
+
+
+class _Bound:
+    """A replica run inside its call's rendezvous (what the pool calls)."""
+
+    __slots__ = ("call", "index", "module")
+
+    def __init__(self, call: SyncCall, index: int, module: Any) -> None:
+        self.call, self.index, self.module = call, index, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call.run(self.index, self.module, args, kwargs)
+
+
+def _calling_layer() -> nn.Module | None:
+    """The ``nn.SyncBatchNorm`` whose ``forward`` made the ``F.batch_norm`` call being
+    handled, else ``None`` (a plain BatchNorm, or any other caller)."""
+    frame = sys._getframe(2)  # 0 this, 1 __torch_function__, 2 torch's handler or F.batch_norm
+    for _ in range(6):
+        if frame is None:
+            return None
+        if frame.f_code is _SYNC_FORWARD:
+            layer = frame.f_locals.get("self")
+            return layer if isinstance(layer, nn.SyncBatchNorm) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class _Mode(TorchFunctionMode):
+    """Entered on a replica's own thread for its forward: hands SyncBatchNorm's training-mode
+    ``F.batch_norm`` to the rendezvous, and every other call straight through."""
+
+    def __init__(self, call: SyncCall, index: int) -> None:
+        super().__init__()
+        self.call = call
+        self.index = index
+        self.seen: dict[Any, int] = {}  # uses of each layer so far in this replica's forward
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func is _BATCH_NORM:
+            layer = _calling_layer()
+            if layer is not None and layer.training and _training(args, kwargs):
+                return self.call.batch_norm(self, layer, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _training(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """The ``training`` argument of an ``F.batch_norm`` call (its sixth)."""
+    if "training" in kwargs:
+        return bool(kwargs["training"])
+    return bool(args[5]) if len(args) > 5 else False
