@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from dataparallel import _thread_state as thread_state
-from dataparallel._syncbn import ReplicaFailed, SyncCall
 from dataparallel._spans import Span, cuda_pool
+from dataparallel._syncbn import ReplicaFailed, SyncCall
 from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
 
@@ -257,7 +257,8 @@ def _reraise(tasks: list[_Task], why: str = "") -> None:
     if not failed:
         return
     # A replica released from a SyncBatchNorm wait by another's failure reports that one's.
-    failed.sort(key=lambda i: isinstance(tasks[i].error, ReplicaFailed))
+    released = [isinstance(t.error, ReplicaFailed) for t in tasks]
+    failed.sort(key=released.__getitem__)
     i = failed[0]
     task = tasks[i]
     original = cast(BaseException, task.error)

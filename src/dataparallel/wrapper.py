@@ -310,9 +310,7 @@ class DataParallel(nn.DataParallel):
             _copy_buffers_back(replicas[0], self.module)
         return outputs
 
-    def _sync_call(
-        self, replicas: list[nn.Module], devices: list[torch.device]
-    ) -> SyncCall | None:
+    def _sync_call(self, replicas: list[nn.Module], devices: list[torch.device]) -> SyncCall | None:
         """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
         the module has no such layer in training mode. The layers are found once per replica
         set; a call then costs one identity check per replica and one flag per layer."""
