@@ -78,6 +78,42 @@ def sync_layer_names(module: nn.Module) -> tuple[list[str], list[str]]:
     return synced, per_chunk
 
 
+def _names(names: list[str], at_most: int = 4) -> str:
+    shown = ", ".join(repr(n) for n in names[:at_most])
+    return shown + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
+
+
+def batchnorm_note(module: nn.Module, waves: list[list[int]]) -> str:
+    """What ``explain`` says about the module's BatchNorm layers for a plan with these waves
+    (empty when it has none)."""
+    synced, per_chunk = sync_layer_names(module)
+    if not synced and not per_chunk:
+        return ""
+    replicas = max((len(w) for w in waves), default=1)
+    if replicas < 2:
+        return (
+            "BatchNorm: one replica per wave, so every BatchNorm layer sees the wave's whole "
+            "batch, as on one device"
+        )
+    parts = []
+    if synced:
+        scope = "the wave" if len(waves) > 1 else "the batch"
+        parts.append(
+            f"{len(synced)} SyncBatchNorm layer(s) ({_names(synced)}) are synchronised over "
+            f"the replicas: in training mode they normalise with the statistics of {scope} "
+            f"(every replica's chunk) and update their running statistics once"
+            + (" per wave" if len(waves) > 1 else "")
+        )
+    if per_chunk:
+        parts.append(
+            f"{len(per_chunk)} BatchNorm layer(s) ({_names(per_chunk)}) normalise each chunk "
+            f"with its own statistics, as in torch.nn.DataParallel (running statistics from "
+            f"replica 0's chunk); nn.SyncBatchNorm.convert_sync_batchnorm(model) makes them "
+            f"use the whole batch's"
+        )
+    return "BatchNorm: " + "; ".join(parts)
+
+
 class SyncLayers:
     """The ``SyncBatchNorm`` layers of one replica set: for each replica, layer object id to
     the layer's index in preorder (the same index on every replica). Built once per set of

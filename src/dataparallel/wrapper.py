@@ -21,7 +21,7 @@ from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
-from dataparallel._syncbn import SyncCall, SyncLayers, sync_layers_for
+from dataparallel._syncbn import SyncCall, SyncLayers, batchnorm_note, sync_layers_for
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -381,8 +381,13 @@ class DataParallel(nn.DataParallel):
         return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
-        """The plan this wrapper would follow for these arguments; runs nothing."""
-        return build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        """The plan this wrapper would follow for these arguments; runs nothing. Its notes
+        say which BatchNorm layers of the module are synchronised over the replicas."""
+        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        note = batchnorm_note(self.module, plan.waves)
+        if note:
+            plan.notes.append(note)
+        return plan
 
     # -- checks -----------------------------------------------------------------------------------
 

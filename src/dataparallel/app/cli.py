@@ -309,6 +309,25 @@ def build_parser() -> argparse.ArgumentParser:
         f"({', '.join('.' + f for f in PLOT_FORMATS)}); needs matplotlib (default: none)",
     )
     t.add_argument("--json", metavar="PATH", help="write the final figures as JSON (default: none)")
+    norm = t.add_mutually_exclusive_group()
+    norm.add_argument(
+        "--batchnorm",
+        dest="batchnorm",
+        action="store_const",
+        const="chunk",
+        default="none",
+        help="train the net's variant with BatchNorm layers; DataParallel normalises each "
+        "chunk on its own, as torch's does (default: the tutorial's net, no BatchNorm)",
+    )
+    norm.add_argument(
+        "--sync-bn",
+        dest="batchnorm",
+        action="store_const",
+        const="sync",
+        help="the same variant with nn.SyncBatchNorm: every replica normalises with the whole "
+        "batch's statistics, as one device would; under ddp, torch's process-group "
+        "SyncBatchNorm (GPUs only) (default: off)",
+    )
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
         "--progress",
@@ -531,6 +550,7 @@ def _run(args_list: list[str]) -> int:
                 plot=args.plot,
                 json=args.json,
                 progress=args.progress,
+                batchnorm=args.batchnorm,
             )
             return run_train(opts, args_list)
         if args.command == "explain":

@@ -40,6 +40,7 @@ class Planned(Protocol):
     decided_by: str
     dim: int
     warnings: list[str]
+    notes: list[str]
     dtype: torch.dtype | None
     slices: list[list[tuple[torch.device, int, int]]]
 
@@ -204,6 +205,17 @@ def format_plan(p: Planned) -> str:
             break_on_hyphens=False,
         )
         for w in p.warnings
+    )
+    lines.extend(
+        textwrap.fill(
+            n,
+            width=100,
+            initial_indent="note: ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for n in getattr(p, "notes", ())
     )
     return "\n".join(lines)
 

@@ -183,6 +183,8 @@ class Plan:
         decided_by: how ``B`` was decided (``batch_size=``, a ``dp.Split``, a vote).
         warnings: the messages a call with this plan warns with (inputs broadcast because
             their size is not ``B``).
+        notes: what ``DataParallel.explain`` adds about the module (which BatchNorm layers
+            are synchronised over the replicas and which act per chunk).
     """
 
     batch_size: int
@@ -208,6 +210,7 @@ class Plan:
     # A reused plan's way to its rows: ``remake(inputs, kwargs)`` plans the same call afresh,
     # only when they are read.
     remake: Callable[[Any, Mapping[str, Any]], Plan] | None = field(default=None, repr=False)
+    notes: list[str] = field(default_factory=list, repr=False)
 
     @property
     def entries(self) -> list[Entry]:

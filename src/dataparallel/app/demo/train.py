@@ -152,7 +152,9 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
     from dataparallel.wrapper import DataParallel
 
     torch.manual_seed(opts.seed)
-    net = build_model(data.input_shape, len(data.classes), trace=opts.trace).to(devices[0])
+    net = build_model(
+        data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+    ).to(devices[0])
     model = DataParallel(net, device_ids=devices)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
     criterion = nn.CrossEntropyLoss()
@@ -253,6 +255,15 @@ def _check_options(opts: TrainOptions) -> None:
             f"--nproc-per-node: applies to --strategy ddp, got {opts.nproc_per_node!r} with dp; "
             f"add --strategy ddp or drop --nproc-per-node"
         )
+    if opts.strategy == "ddp" and opts.batchnorm == "sync" and not torch.cuda.is_available():
+        processes = max(opts.nproc_per_node, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if processes > 1:
+            raise UsageError(
+                f"--sync-bn: under --strategy ddp SyncBatchNorm synchronises through torch's "
+                f"process group, which takes GPU tensors only, and this machine has no GPU "
+                f"({processes} CPU processes); use --strategy dp --devices cpu,cpu (replicas "
+                f"of one process synchronise on the CPU), or --batchnorm"
+            )
     if opts.plot:
         require_matplotlib()
     check_outputs(opts)
