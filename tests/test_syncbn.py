@@ -296,3 +296,18 @@ def test_double_precision_matches_one_device() -> None:
     out = dp.DataParallel(synced, ["cpu", "cpu:1"])(x)
     assert out.dtype == torch.float64
     assert_close_rel(out, plain(x), rtol=1e-10, msg="float64")
+
+
+def test_explain_says_which_layers_are_synchronised() -> None:
+    module = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.SyncBatchNorm(3))
+    text = str(dp.DataParallel(module, ["cpu", "cpu:1"]).explain(torch.randn(8, 4)))
+    assert "1 SyncBatchNorm layer(s) ('2') are synchronised over the replicas" in text
+    assert "1 BatchNorm layer(s) ('1') normalise each chunk with its own statistics" in text
+    waves = dp.DataParallel(module, ["cpu", "cpu:1"], max_size=2).explain(torch.randn(8, 4))
+    assert "statistics of the wave" in str(waves) and "once per wave" in str(waves)
+    alone = dp.DataParallel(module, ["cpu"]).explain(torch.randn(8, 4))
+    assert alone.notes == [
+        "BatchNorm: one replica per wave, so every BatchNorm layer sees the wave's whole "
+        "batch, as on one device"
+    ]
+    assert dp.DataParallel(nn.Linear(4, 3), ["cpu", "cpu"]).explain(torch.randn(8, 4)).notes == []

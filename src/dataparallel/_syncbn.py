@@ -134,27 +134,12 @@ class SyncLayers:
                 self.names = [n or "(the module itself)" for n, _ in found]
         self.warned = False
 
-    def matches(self, replicas: Sequence[nn.Module]) -> bool:
-        """Whether these are the replica objects this table was built for."""
-        roots = self.roots
-        return len(roots) == len(replicas) and all(
-            a is b for a, b in zip(roots, replicas, strict=True)
-        )
-
     def call(self, devices: Sequence[torch.device]) -> SyncCall | None:
         """A rendezvous for one call, or ``None`` when no layer is in training mode (eval mode
         uses the running statistics: nothing to synchronise) or there is one replica."""
         if len(self.roots) < 2 or not any(layer.training for layer in self.layers):
             return None
         return SyncCall(self, list(devices))
-
-
-def sync_layers_for(cached: Sequence[SyncLayers], replicas: Sequence[nn.Module]) -> SyncLayers:
-    """The table of ``cached`` built for these replica objects, else a new one."""
-    for table in cached:
-        if table.matches(replicas):
-            return table
-    return SyncLayers(replicas)
 
 
 class _Slot:

@@ -21,7 +21,7 @@ from dataparallel._losses import ScalarWeights, chunk_weights
 from dataparallel._output_rules import check_output_rules
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
-from dataparallel._syncbn import SyncCall, SyncLayers, batchnorm_note, sync_layers_for
+from dataparallel._syncbn import SyncCall, SyncLayers, batchnorm_note
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -314,10 +314,14 @@ class DataParallel(nn.DataParallel):
         """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
         the module has no such layer in training mode. The layers are found once per replica
         set; a call then costs one identity check per replica and one flag per layer."""
-        tables: list[SyncLayers] = self.__dict__.get("_sync_layers") or []
-        table = sync_layers_for(tables, replicas)
-        if not tables or table is not tables[0]:  # newest first; waves may use two sets
-            self.__dict__["_sync_layers"] = [table, *[t for t in tables if t is not table][:3]]
+        # Keyed by the replicas' ids: the table holds them, so no id is reused while kept.
+        tables: dict[tuple[int, ...], SyncLayers] | None = self.__dict__.get("_sync_layers")
+        key = tuple(map(id, replicas))
+        table = None if tables is None else tables.get(key)
+        if table is None:
+            table = SyncLayers(replicas)
+            kept = list((tables or {}).items())[-3:]  # waves may use two sets; keep a few
+            self.__dict__["_sync_layers"] = dict([*kept, (key, table)])
         return table.call(devices) if table.layers else None
 
     def _gather_all(
