@@ -256,14 +256,13 @@ def _check_options(opts: TrainOptions) -> None:
             f"add --strategy ddp or drop --nproc-per-node"
         )
     if opts.strategy == "ddp" and opts.batchnorm == "sync" and not torch.cuda.is_available():
-        processes = max(opts.nproc_per_node, int(os.environ.get("WORLD_SIZE", "1") or 1))
-        if processes > 1:
-            raise UsageError(
-                f"--sync-bn: under --strategy ddp SyncBatchNorm synchronises through torch's "
-                f"process group, which takes GPU tensors only, and this machine has no GPU "
-                f"({processes} CPU processes); use --strategy dp --devices cpu,cpu (replicas "
-                f"of one process synchronise on the CPU), or --batchnorm"
-            )
+        # torch's DistributedDataParallel refuses SyncBatchNorm on CPU modules: say so first.
+        raise UsageError(
+            "--sync-bn: under --strategy ddp, SyncBatchNorm is torch's, which synchronises "
+            "through the process group on GPUs only, and this machine has none; use "
+            "--strategy dp --devices cpu,cpu (the replicas of one process synchronise on the "
+            "CPU), or --batchnorm"
+        )
     if opts.plot:
         require_matplotlib()
     check_outputs(opts)
