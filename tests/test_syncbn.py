@@ -311,3 +311,21 @@ def test_explain_says_which_layers_are_synchronised() -> None:
         "batch, as on one device"
     ]
     assert dp.DataParallel(nn.Linear(4, 3), ["cpu", "cpu"]).explain(torch.randn(8, 4)).notes == []
+
+
+class _InterruptedOnReplicaZero(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.SyncBatchNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 4 and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        return self.bn(x)
+
+
+def test_ctrl_c_on_the_caller_releases_the_waiting_replicas() -> None:
+    model = dp.DataParallel(_InterruptedOnReplicaZero(), ["cpu", "cpu:1"])
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(7, 3))  # replica 1 waits at bn for replica 0, which is interrupted
+    assert model(torch.randn(6, 3)).shape == (6, 3)  # the worker was released

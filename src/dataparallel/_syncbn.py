@@ -143,13 +143,33 @@ class SyncLayers:
 
 
 class _Slot:
-    """One use of one layer in one call: each replica's (mean, var, count), then the result."""
+    """One use of one layer in one call: each replica's (mean, var, count, ready event), then
+    the result and its ready event (CUDA events; ``None`` elsewhere)."""
 
-    __slots__ = ("parts", "result")
+    __slots__ = ("parts", "ready", "result")
 
     def __init__(self, n: int) -> None:
-        self.parts: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * n
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, int, Any] | None] = [None] * n
         self.result: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.ready: Any = None
+
+
+def _record(tensor: torch.Tensor) -> Any:
+    """A CUDA event recorded on this thread's current stream of ``tensor``'s device (replicas
+    on one GPU run on side streams: the reader waits for it), else ``None``."""
+    if tensor.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _wait(event: Any, *devices: torch.device) -> None:
+    """Make this thread's current streams of ``devices`` wait for ``event`` (if any)."""
+    if event is not None:
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).wait_event(event)
 
 
 class SyncCall:
@@ -290,10 +310,9 @@ class SyncCall:
             slot = self.slots.get(key)
             if slot is None:
                 slot = self.slots[key] = _Slot(self.n)
-            slot.parts[j] = (mean, var, count)
+            slot.parts[j] = (mean, var, count, _record(mean))
             self._complete(slot)
-            if slot.result is None:
-                self.cond.notify_all()
+            self.cond.notify_all()
             deadline = time.monotonic() + self.timeout
             while slot.result is None:
                 if self.failure is not None:
@@ -314,7 +333,9 @@ class SyncCall:
                     raise error
                 self.cond.wait(left)
             mean_all, var_all, total = slot.result
+            ready = slot.ready
         device = mean.device
+        _wait(ready, device, mean_all.device)
         return mean_all.to(device), var_all.to(device), total
 
     def _complete(self, slot: _Slot) -> None:
@@ -333,14 +354,17 @@ class SyncCall:
             slot.result = (parts[0][0], parts[0][1], 0)
             return
         device = full[0][0].device
-        means = torch.stack([m.to(device) for m, _, _ in full])
-        variances = torch.stack([v.to(device) for _, v, _ in full])
+        for m, _, _, event in full:
+            _wait(event, m.device, device)
+        means = torch.stack([m.to(device) for m, _, _, _ in full])
+        variances = torch.stack([v.to(device) for _, v, _, _ in full])
         weights = torch.tensor(
-            [c / total for _, _, c in full], dtype=means.dtype, device=device
+            [c / total for _, _, c, _ in full], dtype=means.dtype, device=device
         ).unsqueeze(1)
         mean = (means * weights).sum(0)
         var = ((variances + (means - mean).square()) * weights).sum(0)
         slot.result = (mean, var, total)
+        slot.ready = _record(mean)
 
     def _name(self, key: tuple[Any, int]) -> str:
         k, use = key
