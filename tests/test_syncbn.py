@@ -329,3 +329,17 @@ def test_ctrl_c_on_the_caller_releases_the_waiting_replicas() -> None:
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(7, 3))  # replica 1 waits at bn for replica 0, which is interrupted
     assert model(torch.randn(6, 3)).shape == (6, 3)  # the worker was released
+
+
+def test_functional_form_and_inference_mode_synchronise_too() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
+    x = torch.randn(7, 4)
+    out = dp.data_parallel(synced, x, ["cpu", "cpu:1"])
+    assert_close_rel(out, plain(x), rtol=RTOL, msg="data_parallel")
+    with torch.inference_mode():  # training-mode statistics under inference mode (recalibration)
+        out = dp.DataParallel(synced, ["cpu", "cpu:1", "cpu:1"])(x)
+        expected = plain(x)
+    assert_close_rel(out, expected, rtol=RTOL, msg="inference mode")
+    _assert_buffers(synced, plain)
