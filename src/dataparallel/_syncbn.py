@@ -146,11 +146,12 @@ class _Slot:
     """One use of one layer in one call: each replica's (mean, var, count, ready event), then
     the result and its ready event (CUDA events; ``None`` elsewhere)."""
 
-    __slots__ = ("parts", "ready", "result")
+    __slots__ = ("eps", "parts", "ready", "result")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, eps: float) -> None:
+        self.eps = eps
         self.parts: list[tuple[torch.Tensor, torch.Tensor, int, Any] | None] = [None] * n
-        self.result: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self.ready: Any = None
 
 
@@ -275,7 +276,7 @@ class SyncCall:
             var_j, mean_j = torch.var_mean(xf, dim=dims, correction=0)
         else:  # an empty chunk: counts for nothing
             mean_j = var_j = xf.new_zeros(channels)
-        mean, var, total = self._exchange(j, (k, use), mean_j, var_j, count, layer)
+        mean, invstd, var, total = self._exchange(j, (k, use), mean_j, var_j, count, eps)
         if total == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size "
@@ -285,12 +286,11 @@ class SyncCall:
         if j == 0 and running_mean is not None and running_var is not None and total > 0:
             with torch.no_grad():  # once per call, as one device's F.batch_norm would
                 unbiased = var * (total / (total - 1))
-                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-        scale = torch.rsqrt(var + eps)
-        if weight is not None:
-            scale = scale * weight
-        shift = -mean * scale if bias is None else bias - mean * scale
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var), alpha=momentum)
+        # Few ops per replica (each is dispatch and an autograd node): y = x * scale + shift.
+        scale = invstd if weight is None else invstd * weight
+        shift = -(mean * scale) if bias is None else torch.addcmul(bias, mean, scale, value=-1)
         shape = [1, channels] + [1] * (x.dim() - 2)
         out = torch.addcmul(shift.view(shape), xf, scale.view(shape))
         return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -302,14 +302,15 @@ class SyncCall:
         mean: torch.Tensor,
         var: torch.Tensor,
         count: int,
-        layer: nn.Module,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Hand in replica ``j``'s statistics for ``key``; the whole call's, on ``mean``'s
-        device, once every replica has handed in or left."""
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Hand in replica ``j``'s statistics for ``key``; the whole call's mean, inverse
+        standard deviation (both on ``mean``'s device) and biased variance (where combined),
+        once every replica has handed in or left."""
         with self.cond:
             slot = self.slots.get(key)
             if slot is None:
-                slot = self.slots[key] = _Slot(self.n)
+                slot = self.slots[key] = _Slot(self.n, eps)
             slot.parts[j] = (mean, var, count, _record(mean))
             self._complete(slot)
             self.cond.notify_all()
@@ -332,11 +333,11 @@ class SyncCall:
                     self.cond.notify_all()
                     raise error
                 self.cond.wait(left)
-            mean_all, var_all, total = slot.result
+            mean_all, invstd_all, var_all, total = slot.result
             ready = slot.ready
         device = mean.device
         _wait(ready, device, mean_all.device)
-        return mean_all.to(device), var_all.to(device), total
+        return mean_all.to(device), invstd_all.to(device), var_all, total
 
     def _complete(self, slot: _Slot) -> None:
         """Combine the slot's statistics when every replica has handed in or left (under the
@@ -351,7 +352,7 @@ class SyncCall:
         full = [p for p in parts if p[2] > 0]
         total = sum(p[2] for p in full)
         if not full:
-            slot.result = (parts[0][0], parts[0][1], 0)
+            slot.result = (parts[0][0], parts[0][1], parts[0][1], 0)
             return
         device = full[0][0].device
         for m, _, _, event in full:
@@ -363,7 +364,7 @@ class SyncCall:
         ).unsqueeze(1)
         mean = (means * weights).sum(0)
         var = ((variances + (means - mean).square()) * weights).sum(0)
-        slot.result = (mean, var, total)
+        slot.result = (mean, torch.rsqrt(var + slot.eps), var, total)
         slot.ready = _record(mean)
 
     def _name(self, key: tuple[Any, int]) -> str:
