@@ -343,3 +343,30 @@ def test_functional_form_and_inference_mode_synchronise_too() -> None:
         expected = plain(x)
     assert_close_rel(out, expected, rtol=RTOL, msg="inference mode")
     _assert_buffers(synced, plain)
+
+
+def _cuda_lists() -> list[list[int]]:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return [[0, 0], list(range(max(2, count)))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("devices", _cuda_lists(), ids=str)
+def test_cuda_two_training_steps_equal_one_device(devices: list[int]) -> None:
+    # [0, 0]: the second replica runs on a side stream, so the statistics cross streams.
+    if max(devices) >= torch.cuda.device_count():
+        pytest.skip(f"needs {max(devices) + 1} CUDA devices")
+    plain, synced = _pair()
+    plain.cuda(0)
+    synced.cuda(0)
+    model = dp.DataParallel(synced, devices)
+    gen = torch.Generator().manual_seed(1)
+    for step, batch in enumerate([7, 5]):
+        x = torch.randn(batch, 3, 8, 8, generator=gen).cuda(0)
+        expected, actual = plain(x), model(x)
+        assert_close_rel(actual, expected, rtol=RTOL, msg=f"cuda step {step}: output")
+        expected.square().mean().backward()
+        actual.square().mean().backward()
+        _assert_same_state(synced, plain, f"cuda step {step}")
+        for module in (plain, synced):
+            module.zero_grad()
