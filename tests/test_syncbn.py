@@ -363,7 +363,9 @@ def test_cuda_two_training_steps_equal_one_device(devices: list[int]) -> None:
     gen = torch.Generator().manual_seed(1)
     for step, batch in enumerate([7, 5]):
         x = torch.randn(batch, 3, 8, 8, generator=gen).cuda(0)
-        expected, actual = plain(x), model(x)
+        # TF32 convolutions round differently per batch size: compare in full float32.
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            expected, actual = plain(x), model(x)
         assert_close_rel(actual, expected, rtol=RTOL, msg=f"cuda step {step}: output")
         expected.square().mean().backward()
         actual.square().mean().backward()
