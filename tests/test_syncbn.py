@@ -372,3 +372,20 @@ def test_cuda_two_training_steps_equal_one_device(devices: list[int]) -> None:
         _assert_same_state(synced, plain, f"cuda step {step}")
         for module in (plain, synced):
             module.zero_grad()
+
+
+def test_a_failed_call_leaves_no_cycle_that_keeps_the_module() -> None:
+    import gc
+    import weakref
+
+    model = dp.DataParallel(_FailsOnSmallChunks(), ["cpu", "cpu:1"])
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(KeyError):
+            model(torch.randn(7, 3))  # replica 0 released from its wait by replica 1's error
+        ref = weakref.ref(model.module)
+        del model
+        assert ref() is None, "the module is kept alive by a reference cycle"
+    finally:
+        gc.enable()

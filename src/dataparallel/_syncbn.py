@@ -191,7 +191,9 @@ class SyncCall:
         self.cond = threading.Condition(threading.Lock())
         self.slots: dict[tuple[Any, int], _Slot] = {}
         self.left: set[int] = set()
-        self.failure: tuple[int, BaseException] | None = None
+        # (replica, "Type: message") of the first failure: a string, not the exception, so
+        # that no traceback (whose frames hold this object) makes a reference cycle.
+        self.failure: tuple[int, str] | None = None
 
     def bind(self, modules: Sequence[Any]) -> list[Callable[..., Any]]:
         """One callable per replica that runs it inside its rendezvous context."""
@@ -219,7 +221,7 @@ class SyncCall:
         with self.cond:
             self.left.add(j)
             if error is not None and self.failure is None and not isinstance(error, ReplicaFailed):
-                self.failure = (j, error)
+                self.failure = (j, _describe(error))
             if self.failure is None:
                 for slot in self.slots.values():
                     self._complete(slot)
@@ -229,7 +231,7 @@ class SyncCall:
         """The runner was interrupted: release every waiting replica."""
         with self.cond:
             if self.failure is None:
-                self.failure = (-1, error)
+                self.failure = (-1, _describe(error))
             self.cond.notify_all()
 
     def _warn_sequential(self) -> None:
@@ -329,7 +331,7 @@ class SyncCall:
                         f"stuck, or the replicas ran one after another (run the call on one "
                         f"device, or convert the layer back to BatchNorm)"
                     )
-                    self.failure = (j, error)
+                    self.failure = (j, _describe(error))
                     self.cond.notify_all()
                     raise error
                 self.cond.wait(left)
@@ -373,12 +375,15 @@ class SyncCall:
         return repr(name) + (f" (use {use + 1})" if use else "")
 
     def _released(self, key: tuple[Any, int]) -> ReplicaFailed:
-        i, error = self.failure or (-1, RuntimeError("unknown"))
+        i, what = self.failure or (-1, "unknown")
         who = "the call was interrupted" if i < 0 else f"replica {i} failed"
         return ReplicaFailed(
-            f"SyncBatchNorm layer {self._name(key)}: stopped waiting because {who} "
-            f"({type(error).__name__}: {error})"
+            f"SyncBatchNorm layer {self._name(key)}: stopped waiting because {who} ({what})"
         )
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class _Bound:
