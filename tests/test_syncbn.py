@@ -389,3 +389,45 @@ def test_a_failed_call_leaves_no_cycle_that_keeps_the_module() -> None:
         assert ref() is None, "the module is kept alive by a reference cycle"
     finally:
         gc.enable()
+
+
+class _Reordered(nn.Module):
+    """Replica 0 (4 samples) runs bn_a then bn_b, replica 1 (3 samples) bn_b then bn_a."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_a = nn.SyncBatchNorm(3)
+        self.bn_b = nn.SyncBatchNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 4:
+            return self.bn_b(self.bn_a(x))
+        return self.bn_a(self.bn_b(x))
+
+
+def test_layers_reached_in_different_orders_fail_at_once() -> None:
+    model = dp.DataParallel(_Reordered(), ["cpu", "cpu:1"])
+    with pytest.raises(RuntimeError, match=r"different orders"):
+        model(torch.randn(7, 3))
+    assert model(torch.randn(8, 3)).shape == (8, 3)
+
+
+def test_a_layer_outside_the_tree_acts_per_chunk() -> None:
+    # A SyncBatchNorm held as a plain attribute (not a submodule) is shared by the replicas:
+    # its peers cannot be told apart, so it keeps torch's per-chunk behaviour (never a wait).
+    class Holder(nn.Module):
+        def __init__(self, bn: nn.Module) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.__dict__["bn"] = bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.__dict__["bn"](self.fc(x))
+
+    torch.manual_seed(0)
+    holder = Holder(nn.SyncBatchNorm(3))
+    x = torch.randn(8, 3)
+    out = dp.DataParallel(holder, ["cpu", "cpu:1"])(x)
+    reference = nn.BatchNorm1d(3)
+    h = holder.fc(x)
+    assert_close_rel(out, torch.cat([reference(h[:4]), reference(h[4:])]), rtol=RTOL, msg="out")

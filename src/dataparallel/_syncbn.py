@@ -26,7 +26,11 @@ of one call are threads of one process, so the layers can meet without a process
 Nothing can hang: a replica that finishes its forward without reaching a layer the others
 reach leaves the slot (the layer's statistics are then those of the replicas that reached it),
 a replica that fails releases the others with ``ReplicaFailed`` (the caller re-raises the
-original error), and a wait longer than ``WAIT_SECONDS`` is an error. The rendezvous is used
+original error), replicas that reach the layers in different orders (each waiting for another)
+fail at once, and a wait longer than ``WAIT_SECONDS`` is an error. Layers are told apart by
+their place in the replica's tree: a ``SyncBatchNorm`` reached some other way (a plain
+attribute shared by the replicas, a nested wrapper's own replicas) keeps torch's per-chunk
+behaviour. The rendezvous is used
 only when the pool runs the replicas at once (``concurrent``): replicas run one after another
 (under a ``torch.func`` transform or a dispatch mode, or nested in a replica) normalise each
 chunk on its own, with a warning. Under an initialised process group (DDP), torch's own
@@ -189,8 +193,9 @@ class SyncCall:
         self.why = ""  # set by the runner when the replicas ran one after another
         self.timeout = WAIT_SECONDS
         self.cond = threading.Condition(threading.Lock())
-        self.slots: dict[tuple[Any, int], _Slot] = {}
+        self.slots: dict[tuple[int, int], _Slot] = {}
         self.left: set[int] = set()
+        self.waiting: dict[int, tuple[int, int]] = {}  # replica -> the slot it waits at
         # (replica, "Type: message") of the first failure: a string, not the exception, so
         # that no traceback (whose frames hold this object) makes a reference cycle.
         self.failure: tuple[int, str] | None = None
@@ -264,9 +269,7 @@ class SyncCall:
     ) -> torch.Tensor:
         """``F.batch_norm`` for replica ``mode.index`` with the whole call's statistics."""
         j = mode.index
-        k: Any = self.table.index[j].get(id(layer)) if j < len(self.table.index) else None
-        if k is None:  # a layer outside the tree (shared by every replica): its id is the key
-            k = ("id", id(layer))
+        k = self.table.index[j][id(layer)]  # the mode checked it is there
         use = mode.seen.get(k, 0)
         mode.seen[k] = use + 1
         x = input
@@ -317,29 +320,48 @@ class SyncCall:
             self._complete(slot)
             self.cond.notify_all()
             deadline = time.monotonic() + self.timeout
-            while slot.result is None:
-                if self.failure is not None:
-                    raise self._released(key)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [
-                        i for i, p in enumerate(slot.parts) if p is None and i not in self.left
-                    ]
-                    error = TimeoutError(
-                        f"SyncBatchNorm layer {self._name(key)}: replica {j} waited "
-                        f"{self.timeout:g} s for replicas {missing} to reach it; a replica is "
-                        f"stuck, or the replicas ran one after another (run the call on one "
-                        f"device, or convert the layer back to BatchNorm)"
+            if slot.result is None:
+                stuck = self._deadlocked(j)
+                if stuck:
+                    error = RuntimeError(
+                        f"SyncBatchNorm: replica {j} waits at layer {self._name(key)} while "
+                        f"{stuck}: the replicas reached their SyncBatchNorm layers in different "
+                        f"orders, so none can go on; every replica must run them in one order "
+                        f"(a layer a replica skips is fine)"
                     )
                     self.failure = (j, _describe(error))
                     self.cond.notify_all()
                     raise error
-                self.cond.wait(left)
-            mean_all, invstd_all, var_all, total = slot.result
+            self.waiting[j] = key
+            try:
+                self._wait_for(j, key, slot, deadline)
+            finally:
+                del self.waiting[j]
+            mean_all, invstd_all, var_all, total = slot.result  # type: ignore[misc]
             ready = slot.ready
         device = mean.device
         _wait(ready, device, mean_all.device)
         return mean_all.to(device), invstd_all.to(device), var_all, total
+
+    def _wait_for(self, j: int, key: tuple[int, int], slot: _Slot, deadline: float) -> None:
+        """Wait (under the lock) until the slot is complete, a replica failed, or the time is
+        up."""
+        while slot.result is None:
+            if self.failure is not None:
+                raise self._released(key)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [i for i, p in enumerate(slot.parts) if p is None and i not in self.left]
+                error = TimeoutError(
+                    f"SyncBatchNorm layer {self._name(key)}: replica {j} waited "
+                    f"{self.timeout:g} s for replicas {missing} to reach it; a replica is "
+                    f"stuck, or the replicas ran one after another (run the call on one "
+                    f"device, or convert the layer back to BatchNorm)"
+                )
+                self.failure = (j, _describe(error))
+                self.cond.notify_all()
+                raise error
+            self.cond.wait(left)
 
     def _complete(self, slot: _Slot) -> None:
         """Combine the slot's statistics when every replica has handed in or left (under the
@@ -369,10 +391,24 @@ class SyncCall:
         slot.result = (mean, torch.rsqrt(var + slot.eps), var, total)
         slot.ready = _record(mean)
 
-    def _name(self, key: tuple[Any, int]) -> str:
+    def _name(self, key: tuple[int, int]) -> str:
         k, use = key
-        name = self.table.names[k] if isinstance(k, int) else "(outside the module tree)"
-        return repr(name) + (f" (use {use + 1})" if use else "")
+        return repr(self.table.names[k]) + (f" (use {use + 1})" if use else "")
+
+    def _deadlocked(self, j: int) -> str:
+        """Under the lock, before replica ``j`` waits: when every other replica still running
+        its forward is itself waiting at a layer not yet complete, nothing can ever arrive
+        (the replicas reached the layers in different orders). Returns where each waits, else
+        an empty string."""
+        blocked = []
+        for i in range(self.n):
+            if i == j or i in self.left:
+                continue
+            other = self.waiting.get(i)
+            if other is None or self.slots[other].result is not None:
+                return ""  # replica i is running, or about to wake: it may still come
+            blocked.append(f"replica {i} at {self._name(other)}")
+        return ", ".join(blocked)
 
     def _released(self, key: tuple[Any, int]) -> ReplicaFailed:
         i, what = self.failure or (-1, "unknown")
@@ -433,7 +469,14 @@ class _Mode(TorchFunctionMode):
             kwargs = {}
         if func is _BATCH_NORM:
             layer = _calling_layer()
-            if layer is not None and layer.training and _training(args, kwargs):
+            # A layer outside the replica's tree (a shared attribute, a nested wrapper's own
+            # replica) keeps torch's per-chunk behaviour: its peers cannot be told.
+            if (
+                layer is not None
+                and layer.training
+                and _training(args, kwargs)
+                and id(layer) in self.call.table.index[self.index]
+            ):
                 return self.call.batch_norm(self, layer, *args, **kwargs)
         return func(*args, **kwargs)
 
