@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,27 +122,41 @@ def batchnorm_note(module: nn.Module, waves: list[list[int]]) -> str:
 class SyncLayers:
     """The ``SyncBatchNorm`` layers of one replica set: for each replica, layer object id to
     the layer's index in preorder (the same index on every replica). Built once per set of
-    replica objects (a rebuilt set has new objects), kept by the wrapper."""
+    replica objects (a rebuilt set has new objects), kept by the wrapper.
+
+    Everything is held weakly: a replica set the wrapper drops (its module's structure
+    changed) is freed with the tensors it holds. While a root lives, its tree, and so every id
+    in ``index``, lives too.
+    """
 
     __slots__ = ("index", "layers", "names", "roots", "warned")
 
     def __init__(self, replicas: Sequence[nn.Module]) -> None:
-        self.roots = tuple(replicas)  # held: keeps the ids below valid
+        self.roots = tuple(weakref.ref(r) for r in replicas)
         self.index: list[dict[int, int]] = []
-        self.layers: list[nn.Module] = []  # replica 0's, for the training check
+        self.layers: list[weakref.ref[nn.Module]] = []  # replica 0's, for the training check
         self.names: list[str] = []
         for j, root in enumerate(replicas):
             found = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.SyncBatchNorm)]
             self.index.append({id(m): k for k, (_, m) in enumerate(found)})
             if j == 0:
-                self.layers = [m for _, m in found]
+                self.layers = [weakref.ref(m) for _, m in found]
                 self.names = [n or "(the module itself)" for n, _ in found]
         self.warned = False
+
+    def matches(self, replicas: Sequence[nn.Module]) -> bool:
+        """Whether these are the replica objects this table was built for."""
+        roots = self.roots
+        return len(roots) == len(replicas) and all(
+            ref() is r for ref, r in zip(roots, replicas, strict=True)
+        )
 
     def call(self, devices: Sequence[torch.device]) -> SyncCall | None:
         """A rendezvous for one call, or ``None`` when no layer is in training mode (eval mode
         uses the running statistics: nothing to synchronise) or there is one replica."""
-        if len(self.roots) < 2 or not any(layer.training for layer in self.layers):
+        if len(self.roots) < 2:
+            return None
+        if not any(layer is not None and layer.training for layer in (r() for r in self.layers)):
             return None
         return SyncCall(self, list(devices))
 

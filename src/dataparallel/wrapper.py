@@ -313,15 +313,15 @@ class DataParallel(nn.DataParallel):
     def _sync_call(self, replicas: list[nn.Module], devices: list[torch.device]) -> SyncCall | None:
         """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
         the module has no such layer in training mode. The layers are found once per replica
-        set; a call then costs one identity check per replica and one flag per layer."""
-        # Keyed by the replicas' ids: the table holds them, so no id is reused while kept.
-        tables: dict[tuple[int, ...], SyncLayers] | None = self.__dict__.get("_sync_layers")
-        key = tuple(map(id, replicas))
-        table = None if tables is None else tables.get(key)
-        if table is None:
+        set (held weakly); a call then costs one identity check per replica and one flag per
+        layer."""
+        tables: list[SyncLayers] = self.__dict__.get("_sync_layers") or []
+        for table in tables:
+            if table.matches(replicas):
+                break
+        else:  # newest first; waves may use two sets (a full wave and a shorter last one)
             table = SyncLayers(replicas)
-            kept = list((tables or {}).items())[-3:]  # waves may use two sets; keep a few
-            self.__dict__["_sync_layers"] = dict([*kept, (key, table)])
+            self.__dict__["_sync_layers"] = [table, *tables[:1]]
         return table.call(devices) if table.layers else None
 
     def _gather_all(
