@@ -27,6 +27,10 @@ after another, so the result is one device's (:mod:`dataparallel._thread_state`)
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
 
+A call's ``nn.SyncBatchNorm`` rendezvous (:mod:`dataparallel._syncbn`) is marked concurrent
+only on the path that runs the replicas at once; on every path that runs them one after
+another its layers act per chunk, so no replica ever waits for one that runs after it.
+
 An exception in a replica is re-raised in the caller after every replica has finished, with the
 same type where it can be built from one message, naming the replica, its device and its input
 shapes, and chained from the original (whose traceback shows). Workers survive every error,
