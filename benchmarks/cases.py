@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.bench_syncbn import case_syncbn
 from benchmarks.e2e import case_e2e
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
 from dataparallel.app.demo.models import Net
@@ -657,6 +658,7 @@ QUICK: tuple[CaseFn, ...] = (
     case_plan_cache,
     case_train_step,
     case_replicate,
+    case_syncbn,
 )
 FULL: tuple[CaseFn, ...] = (
     *QUICK,

@@ -99,6 +99,11 @@ CASE_TEXT = {
         '`DataParallel(net, ["cpu"])` training step of the tutorial CNN, batch 32',
         "the plain module",
     ),
+    "syncbn_2x_train_step": (
+        "training step of the tutorial CNN with 4 `nn.SyncBatchNorm` layers, batch 32, "
+        '`["cpu", "cpu"]` (whole-batch statistics)',
+        "the same net with `nn.BatchNorm*`, per chunk",
+    ),
     "replicate_2x_inference": (
         "cached `replicate`, 251-module net, 2 replicas, inference",
         "fresh replicas",

@@ -34,6 +34,7 @@ QUICK_NAMES = {
     "replicate_2x_neighbour_writes",
     "replicate_2x_one_module_written",
     "replicate_2x_miss",
+    "syncbn_2x_train_step",
 }
 
 
@@ -144,6 +145,7 @@ def test_quick_set_is_the_documented_one() -> None:
         "case_plan_cache",
         "case_train_step",
         "case_replicate",
+        "case_syncbn",
     ]
 
 

@@ -34,6 +34,10 @@ take their numbers in a racing order, so dropout would differ between two runs w
 seed. Without it they run at once and CPU lists are not reproducible. ``in_order`` is the one
 test of all the cases in which replicas run one after another.
 
+A call's ``nn.SyncBatchNorm`` rendezvous (:mod:`dataparallel._syncbn`) is marked concurrent
+only on the path that runs the replicas at once; on every path that runs them one after
+another its layers act per chunk, so no replica ever waits for one that runs after it.
+
 An exception in a replica is re-raised in the caller after every replica has finished, with the
 same type where it can be built from one message, naming the replica, its device and its input
 shapes, and chained from the original (whose traceback shows). Workers survive every error,
@@ -57,6 +61,7 @@ from torch import nn
 
 from dataparallel import _thread_state as thread_state
 from dataparallel._spans import Span, cuda_pool
+from dataparallel._syncbn import ReplicaFailed, SyncCall
 from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
 
@@ -262,6 +267,9 @@ def _reraise(tasks: list[_Task], why: str = "") -> None:
     failed = [i for i, t in enumerate(tasks) if t.error is not None]
     if not failed:
         return
+    # A replica released from a SyncBatchNorm wait by another's failure reports that one's.
+    released = [isinstance(t.error, ReplicaFailed) for t in tasks]
+    failed.sort(key=released.__getitem__)
     i = failed[0]
     task = tasks[i]
     original = cast(BaseException, task.error)
@@ -328,6 +336,7 @@ def parallel_apply(
     devices: Sequence[DeviceSpec] | None = None,
     *,
     timings: list[Any] | None = None,
+    syncbn: SyncCall | None = None,
 ) -> list[Any]:
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]``, in
     parallel.
@@ -343,6 +352,8 @@ def parallel_apply(
             on the CPU; on CUDA a ``dataparallel._spans.Span`` of pooled events on the
             replica's stream, whose ``float()`` gives the seconds (waiting for the stream only
             then, not per call).
+        syncbn: the call's SyncBatchNorm rendezvous (``DataParallel`` makes it; see
+            :mod:`dataparallel._syncbn`); without it each replica's layers act per chunk.
 
     Returns:
         The outputs, in the order of ``modules``.
@@ -386,7 +397,7 @@ def parallel_apply(
         check_runnable(resolved, where="devices")
     if timings is not None:
         timings.clear()  # replaced, not appended to
-    return apply_replicas(modules, inputs, kwargs_tup, resolved, timings)
+    return apply_replicas(modules, inputs, kwargs_tup, resolved, timings, syncbn)
 
 
 def apply_replicas(
@@ -395,13 +406,21 @@ def apply_replicas(
     kwargs_tup: Sequence[Mapping[str, Any]],
     devices: Sequence[torch.device],
     timings: list[Any] | None = None,
+    syncbn: SyncCall | None = None,
 ) -> list[Any]:
     """``parallel_apply`` for arguments already checked: one entry each per module, devices
     resolved and runnable (``DataParallel`` checked them at construction). ``timings``, when
-    given, is extended with one entry per replica (a float, or a pending CUDA ``Span``)."""
+    given, is extended with one entry per replica (a float, or a pending CUDA ``Span``).
+    ``syncbn``, a SyncBatchNorm rendezvous, is marked concurrent only on the path that runs the
+    replicas at once (every other path runs them one after another: its layers act per
+    chunk, and nothing waits)."""
     n = len(modules)
     if n == 0:
         return []
+    if syncbn is not None and n > 1:
+        modules = cast(Sequence[nn.Module], syncbn.bind(modules))
+    else:
+        syncbn = None
     if n == 1 and devices[0].type != "cuda":
         return [_apply_here(modules[0], inputs[0], kwargs_tup[0], devices[0], timings)]
     grad = torch.is_grad_enabled()
@@ -434,9 +453,13 @@ def apply_replicas(
     if n == 1:  # one replica: no hop is cheaper
         _execute_first(tasks[0])
     elif getattr(_local, "in_worker", False):  # inside a worker: never wait on our own pool
+        if syncbn is not None:
+            syncbn.why = "a call nested in a replica's forward"
         for task in tasks:
             _execute(task)
     elif thread_state.must_run_inline():  # state the workers cannot share: run it here
+        if syncbn is not None:
+            syncbn.why = thread_state.active_state()
         for task in tasks:
             _execute_first(task)
         if any(t.error is not None for t in tasks):
@@ -451,7 +474,15 @@ def apply_replicas(
             task.replay = replay
             if len(context):  # one copy per task: a context is entered by one thread at once
                 task.context = context.copy()
-        _run_on_pool(tasks, worker_slots)
+        if syncbn is None:
+            _run_on_pool(tasks, worker_slots)
+        else:
+            syncbn.concurrent = True
+            try:
+                _run_on_pool(tasks, worker_slots)
+            except BaseException as exc:  # interrupted: no replica may wait for one not run
+                syncbn.abort(exc)
+                raise
 
     if timings is not None:
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)

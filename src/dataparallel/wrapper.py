@@ -39,6 +39,7 @@ from dataparallel._partial_sums import (
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel._steps import StepCall, StepMethod, step_rules
+from dataparallel._syncbn import SyncCall, SyncLayers, batchnorm_note
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -72,6 +73,7 @@ _RUNTIME = (
     "_plans",
     "_here",
     "_compiled_replicas",
+    "_sync_layers",
 )
 
 
@@ -458,19 +460,37 @@ class DataParallel(nn.DataParallel):
         run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
         if method is not None:  # train_step & co.: each replica runs its own method
             run = [StepCall(replica, method) for replica in replicas]
+        sync = None if len(replicas) < 2 else self._sync_call(replicas, devices)
         if steps.parallel_apply and not alone:
-            # an override may call super().parallel_apply: it needs this wave's devices
+            # an override may call super().parallel_apply: it needs this wave's devices (and
+            # the wave's SyncBatchNorm rendezvous)
             self.__dict__["_wave_devices"] = devices
+            self.__dict__["_wave_sync"] = sync
             try:
                 outputs = self.parallel_apply(run, args, kws)
             finally:
                 self.__dict__.pop("_wave_devices", None)
+                self.__dict__.pop("_wave_sync", None)
             timers += [float("nan")] * len(devices)
         else:
-            outputs = apply_replicas(run, args, kws, devices, timers)
+            outputs = apply_replicas(run, args, kws, devices, timers, sync)
         if replicas[0] is not self.module and not later:  # a later wave's writes are dropped
             _copy_buffers_back(replicas[0], self.module)
         return outputs
+
+    def _sync_call(self, replicas: list[nn.Module], devices: list[torch.device]) -> SyncCall | None:
+        """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
+        the module has no such layer in training mode. The layers are found once per replica
+        set (held weakly); a call then costs one identity check per replica and one flag per
+        layer."""
+        tables: list[SyncLayers] = self.__dict__.get("_sync_layers") or []
+        for table in tables:
+            if table.matches(replicas):
+                break
+        else:  # newest first; waves may use two sets (a full wave and a shorter last one)
+            table = SyncLayers(replicas)
+            self.__dict__["_sync_layers"] = [table, *tables[:1]]
+        return table.call(devices) if table.layers else None
 
     def _gather_all(
         self,
@@ -531,7 +551,8 @@ class DataParallel(nn.DataParallel):
     ) -> list[Any]:
         """torch's signature: run each replica on its inputs, on the pool's threads."""
         devices = self.__dict__.get("_wave_devices") or self.device_ids[: len(replicas)]
-        return parallel_apply(replicas, inputs, kwargs, devices)
+        sync = self.__dict__.get("_wave_sync")
+        return parallel_apply(replicas, inputs, kwargs, devices, syncbn=sync)
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """torch's signature: one output on ``output_device``, chunk sizes inferred."""
@@ -539,10 +560,14 @@ class DataParallel(nn.DataParallel):
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
         """The plan this wrapper would follow for these arguments; runs nothing. Its notes say
-        how the call's outputs will be gathered where that is not the default."""
+        how the call's outputs will be gathered where that is not the default, and which
+        BatchNorm layers of the module are synchronised over the replicas."""
         plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
         if COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, self._find_overrides()):
             plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
+        note = batchnorm_note(self.module, plan.waves)
+        if note:
+            plan.notes.append(note)
         return plan
 
     # -- checks -----------------------------------------------------------------------------------

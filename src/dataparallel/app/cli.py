@@ -260,6 +260,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"write the final figures as JSON; {FOLDER_MADE} (default: none)",
     )
+    norm = t.add_mutually_exclusive_group()
+    norm.add_argument(
+        "--batchnorm",
+        dest="batchnorm",
+        action="store_const",
+        const="chunk",
+        default="none",
+        help="train the net's variant with BatchNorm layers; DataParallel normalises each "
+        "chunk on its own, as torch's does (default: the tutorial's net, no BatchNorm)",
+    )
+    norm.add_argument(
+        "--sync-bn",
+        dest="batchnorm",
+        action="store_const",
+        const="sync",
+        help="the same variant with nn.SyncBatchNorm: every replica normalises with the whole "
+        "batch's statistics, as one device would; under ddp, torch's process-group "
+        "SyncBatchNorm (GPUs only) (default: off)",
+    )
     progress = t.add_mutually_exclusive_group()
     progress.add_argument(
         "--progress",
@@ -493,6 +512,7 @@ def _run(args_list: list[str]) -> int:
                 plot=args.plot,
                 json=args.json,
                 progress=args.progress,
+                batchnorm=args.batchnorm,
             )
             return run_train(opts, args_list)
         if args.command == "explain":

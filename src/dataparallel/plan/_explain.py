@@ -40,6 +40,7 @@ class Planned(Protocol):
     decided_by: str
     dim: int
     warnings: list[str]
+    notes: list[str]
     dtype: torch.dtype | None
     slices: list[list[tuple[torch.device, int, int]]]
 
@@ -206,8 +207,15 @@ def format_plan(p: Planned) -> str:
         for w in p.warnings
     )
     lines.extend(
-        textwrap.fill(w, width=100, initial_indent="note: ", subsequent_indent="  ")
-        for w in getattr(p, "notes", ())
+        textwrap.fill(
+            n,
+            width=100,
+            initial_indent="note: ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for n in getattr(p, "notes", ())
     )
     return "\n".join(lines)
 

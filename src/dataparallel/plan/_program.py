@@ -183,8 +183,9 @@ class Plan:
         decided_by: how ``B`` was decided (``batch_size=``, a ``dp.Split``, a vote).
         warnings: the messages a call with this plan warns with (inputs broadcast because
             their size is not ``B``).
-        notes: what ``explain`` adds about the call beyond the split (a loss that will be
-            summed, not averaged, because the call passes ``num_items_in_batch``).
+        notes: what ``explain`` adds beyond the split: about the call (``num_items_in_batch``
+            shared between the replicas) and about the module (which BatchNorm layers are
+            synchronised over the replicas and which act per chunk).
     """
 
     batch_size: int

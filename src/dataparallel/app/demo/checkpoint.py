@@ -136,7 +136,12 @@ def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -
         "seed": opts.seed,
         "lr": lr,
         "momentum": opts.momentum,
+        "batchnorm": opts.batchnorm,
     }
+
+
+# What a checkpoint written before an option existed was written with.
+_BEFORE = {"batchnorm": "none"}
 
 
 def check_resume(state: dict[str, Any], config: dict[str, Any], path: str) -> None:
@@ -147,7 +152,7 @@ def check_resume(state: dict[str, Any], config: dict[str, Any], path: str) -> No
     """
     saved = state.get("config", {})
     for key, value in config.items():
-        if saved.get(key) != value:
+        if saved.get(key, _BEFORE.get(key)) != value:
             flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"--resume: the checkpoint {path!r} was written with {flag} "

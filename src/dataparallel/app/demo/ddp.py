@@ -97,7 +97,9 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
     data = load_data(opts)
     epochs, batch_size, lr = resolve_hyper(data, opts)
     torch.manual_seed(opts.seed)
-    net = build_model(data.input_shape, len(data.classes), trace=opts.trace)
+    net = build_model(
+        data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+    )
     config = run_config(data, batch_size, opts, lr)
     with ddp_session(net) as (ddp, info):
         main, world, device = info.rank == 0, info.world_size, info.device

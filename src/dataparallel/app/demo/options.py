@@ -68,6 +68,9 @@ class TrainOptions:
     plot: str | None = None
     json: str | None = None
     progress: bool | None = None  # None: a bar when stderr is a terminal
+    # "none": the tutorial's net; "chunk": its variant with BatchNorm (per chunk under dp);
+    # "sync": the same layers as SyncBatchNorm (--sync-bn: whole-batch statistics)
+    batchnorm: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

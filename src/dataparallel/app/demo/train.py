@@ -152,7 +152,9 @@ def _dp_train(opts: TrainOptions, out: TextIO) -> TrainResult:
     from dataparallel.wrapper import DataParallel
 
     torch.manual_seed(opts.seed)
-    net = build_model(data.input_shape, len(data.classes), trace=opts.trace).to(devices[0])
+    net = build_model(
+        data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+    ).to(devices[0])
     model = DataParallel(net, device_ids=devices)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
     criterion = nn.CrossEntropyLoss()
@@ -252,6 +254,14 @@ def _check_options(opts: TrainOptions) -> None:
         raise UsageError(
             f"--nproc-per-node: applies to --strategy ddp, got {opts.nproc_per_node!r} with dp; "
             f"add --strategy ddp or drop --nproc-per-node"
+        )
+    if opts.strategy == "ddp" and opts.batchnorm == "sync" and not torch.cuda.is_available():
+        # torch's DistributedDataParallel refuses SyncBatchNorm on CPU modules: say so first.
+        raise UsageError(
+            "--sync-bn: under --strategy ddp, SyncBatchNorm is torch's, which synchronises "
+            "through the process group on GPUs only, and this machine has none; use "
+            "--strategy dp --devices cpu,cpu (the replicas of one process synchronise on the "
+            "CPU), or --batchnorm"
         )
     if opts.plot:
         require_matplotlib()
