@@ -101,10 +101,10 @@ class Parser(argparse.ArgumentParser):
             for name, sub in commands.items():
                 close = _closest(found, sub._long_options())
                 if close:
+                    meant = _or([f"`{PROG} {name} {c} ...`" for c in close])
                     return (
                         f"unknown option {found}: expected a command first ({_or(list(commands))}) "
-                        f"or --version, got {found!r}; fix: did you mean "
-                        f"`{PROG} {name} {close} ...`?"
+                        f"or --version, got {found!r}; fix: did you mean {meant}?"
                     )
             return (
                 f"unknown option {found}: expected a command ({_or(list(commands))}) or "
@@ -115,7 +115,7 @@ class Parser(argparse.ArgumentParser):
         if close:
             return (
                 f"unknown option {found}: expected one of {self.prog}'s options, got "
-                f"{found!r}; fix: did you mean {close!r}?"
+                f"{found!r}; fix: did you mean {_or([repr(c) for c in close])}?"
             )
         return (
             f"unknown option {found}: expected one of {', '.join(options)}, got {found!r}; "
@@ -133,14 +133,14 @@ _CLOSE = 0.8
 0.93; ``--bogus``: ``--out`` 0.67, not offered)."""
 
 
-def _closest(found: str, options: Sequence[str]) -> str | None:
-    """The option ``found`` most likely meant: the only one it abbreviates (``--batch``:
-    ``--batch-size``), else the closest by difflib, if close enough."""
+def _closest(found: str, options: Sequence[str]) -> list[str]:
+    """The options ``found`` most likely meant: those it abbreviates (``--batch``:
+    ``--batch-size`` and ``--batchnorm``), else the closest by difflib, if close enough; none
+    when nothing is close."""
     longer = [o for o in options if o.startswith(found)]
-    if len(longer) == 1:
-        return longer[0]
-    close = difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
-    return close[0] if close else None
+    if longer:
+        return longer
+    return difflib.get_close_matches(found, options, n=1, cutoff=_CLOSE)
 
 
 def _or(names: Sequence[str]) -> str:
