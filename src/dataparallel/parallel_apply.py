@@ -22,7 +22,9 @@ Each task replays the caller's context in its worker:
 
 State a worker cannot share (a ``torch.func`` transform, a dispatch mode or another function
 mode, saved-tensor hooks) makes the call run every replica inline on the caller's thread, one
-after another, so the result is one device's (:mod:`dataparallel._thread_state`).
+after another, so the result is one device's (:mod:`dataparallel._thread_state`). So do
+replicas that ``replicate`` marked (``_rebind.SERIAL``): a hook or forward of theirs leads to the
+user's module through something that cannot be rebound to each replica.
 
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
@@ -52,6 +54,7 @@ from dataparallel import _thread_state as thread_state
 from dataparallel._spans import Span, cuda_pool
 from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
+from dataparallel.replicate._rebind import SERIAL
 
 __all__ = ["apply_replicas", "describe_inputs", "parallel_apply"]
 
@@ -434,6 +437,11 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
+    elif SERIAL in modules[1].__dict__:
+        # A hook or forward that leads to the user's module and cannot be rebound to each
+        # replica (replicate warned once): never run from two threads at once.
+        for task in tasks:
+            _execute_first(task)
     else:
         replay = thread_state.replay()
         context = thread_state.copy_context()
