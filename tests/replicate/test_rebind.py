@@ -266,3 +266,71 @@ def test_rebinding_leaves_the_users_objects_alone() -> None:
     assert model.forward is forward and forward.__self__ is model
     assert replicas[1].steps[0].__self__ is replicas[1]
     assert replicas[1].forward.__self__ is replicas[1]
+
+
+class Tapped(nn.Module):
+    """A feature capture on ``lin`` registered in one of the forms users write."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 2)
+        self.feature: torch.Tensor | None = None
+        if form == "partial of a bound method":
+            self.lin.register_forward_hook(functools.partial(self._tap, name="lin"))
+        elif form == "closure over the module":
+            self.lin.register_forward_hook(lambda m, i, o: setattr(self, "feature", o))
+        elif form == "with_kwargs and always_call":
+            self.lin.register_forward_hook(self._tap_kwargs, with_kwargs=True, always_call=True)
+        elif form == "partial over the module":
+            self.lin.register_forward_hook(functools.partial(_tap_function, self))
+        elif form == "default argument":
+            self.lin.register_forward_hook(lambda m, i, o, owner=self: owner._tap(m, i, o))
+
+    def _tap(self, module: nn.Module, args: Any, output: torch.Tensor, name: str = "") -> None:
+        self.feature = output
+
+    def _tap_kwargs(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self.feature = output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x))
+
+
+def _tap_function(owner: Tapped, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    owner.feature = output
+
+
+FORMS = [
+    "partial of a bound method",
+    "closure over the module",
+    "with_kwargs and always_call",
+    "partial over the module",
+    "default argument",
+]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_capture_in_any_form_is_replica_zeros_rows_every_time(
+    form: str, devices: list[str]
+) -> None:
+    torch.manual_seed(0)
+    model = Tapped(form)
+    torch.manual_seed(0)
+    oracle = Tapped(form)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    rows = -(-7 // len(devices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every form is rebound: nothing to announce
+        for _ in range(10):
+            model.feature = None
+            assert_close_rel(wrapper(x), oracle(x), msg="output")
+            assert model.feature is not None
+            assert_close_rel(model.feature, oracle.feature[:rows], msg="feature")  # type: ignore[index]
+    replicas = dp.replicate(model, devices)
+    model.feature = None
+    replicas[-1](x[:2])
+    assert model.feature is None
+    assert replicas[-1].feature is not None and replicas[-1].feature.shape == (2, 3)
