@@ -437,7 +437,7 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
-    elif SERIAL in modules[1].__dict__:
+    elif SERIAL in getattr(modules[1], "__dict__", ()):
         # A hook or forward that leads to the user's module and cannot be rebound to each
         # replica (replicate warned once): never run from two threads at once.
         for task in tasks:

@@ -334,3 +334,55 @@ def test_a_capture_in_any_form_is_replica_zeros_rows_every_time(
     replicas[-1](x[:2])
     assert model.feature is None
     assert replicas[-1].feature is not None and replicas[-1].feature.shape == (2, 3)
+
+
+class Recurrent(nn.Module):
+    """An LSTM (a module with its own replication hook) whose output a bound method captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 3, batch_first=True)
+        self.feature: torch.Tensor | None = None
+        self.rnn.register_forward_hook(self._capture)
+
+    def _capture(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.feature = output[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_hooks_on_a_module_with_its_own_replication_are_rebound(devices: list[str]) -> None:
+    torch.manual_seed(0)
+    model = Recurrent()
+    torch.manual_seed(0)
+    oracle = Recurrent()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 2, 4)
+    rows = -(-7 // len(devices))
+    for _ in range(5):
+        assert_close_rel(wrapper(x), oracle(x), msg="output")
+        assert_close_rel(model.feature, oracle.feature[:rows], msg="feature")  # type: ignore[arg-type, index]
+    replicas = dp.replicate(model, devices)
+    model.feature = None
+    replicas[-1](x[:2])
+    assert model.feature is None and replicas[-1].feature is not None
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_a_root_with_its_own_replication_keeps_the_one_at_a_time_mark(devices: list[str]) -> None:
+    # The root's replicas get a new __dict__ on every call where their tensors change: the
+    # mark that makes them run one at a time must survive it.
+    torch.manual_seed(0)
+    model = nn.LSTM(4, 3, batch_first=True)
+    holder = Holder(model)
+    model.register_forward_hook(holder)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 2, 4)
+    with pytest.warns(UserWarning, match=r"forward hook Holder of the module itself"):
+        wrapper(x)
+    for _ in range(3):
+        wrapper(x)[0].sum().backward()
+    assert set(holder.threads) == {threading.get_ident()}
+    assert len(holder.threads) == 4 * len(devices)
