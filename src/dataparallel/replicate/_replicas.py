@@ -13,9 +13,13 @@ What is synced, and why:
 
 - plain attributes and training flags: a replica's ``__dict__`` is refilled from its source
   module's whenever the snapshot says that module was written (so ``model.scale = 3.0``,
-  ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call);
-- parameters: a replica on a parameter's own device uses the parameter itself (no copy, the
-  gradient lands on it directly). On another device, with grad enabled, every call makes fresh
+  ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call); what in it is
+  bound to a module of the tree (an instance ``forward``, a bound-method hook) is rebound to
+  the replica (``_rebind``);
+- parameters: both attributes and ``_parameters`` entries of the replica, so
+  ``self.parameters()`` inside forward lists what the replica computes with. A replica on a
+  parameter's own device uses the parameter itself (no copy, the gradient lands on it
+  directly). On another device, with grad enabled, every call makes fresh
   copies (differentiable ones, torch's ``Broadcast`` between CUDA devices and
   ``param.to(device)`` otherwise, so gradients flow back to the module's own parameters). With
   grad disabled the copies made by an earlier call without grad are refreshed in place, in one
