@@ -386,3 +386,30 @@ def test_a_root_with_its_own_replication_keeps_the_one_at_a_time_mark(devices: l
         wrapper(x)[0].sum().backward()
     assert set(holder.threads) == {threading.get_ident()}
     assert len(holder.threads) == 4 * len(devices)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_accelerates_own_module_hooks_run_on_each_replica(devices: list[str]) -> None:
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Double(hooks.ModelHook):  # type: ignore[misc, name-defined]
+        def post_forward(self, module: nn.Module, output: Any) -> Any:
+            return output * 2.0
+
+    def build() -> Normed:
+        torch.manual_seed(0)
+        m = Normed()
+        hooks.add_hook_to_module(m.bn, Double())
+        return m
+
+    model, oracle = build(), build()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    for _ in range(CALLS):
+        wrapper(x).sum().backward()
+        oracle(x).sum().backward()
+    assert int(model.bn.num_batches_tracked) == int(oracle.bn.num_batches_tracked) == CALLS
+    oracle.load_state_dict(model.state_dict())
+    model.eval()
+    oracle.eval()
+    assert_close_rel(wrapper(x), oracle(x), msg="output")
