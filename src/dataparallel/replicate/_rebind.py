@@ -74,7 +74,12 @@ _SKIPPED = frozenset(
 # The types a search looks into; anything else is left alone (most attributes are numbers,
 # strings, tensors and tables).
 _SEARCHED = (types.MethodType, types.FunctionType, functools.partial, tuple, list, dict)
-_LOOKED_AT = (nn.Module, *_SEARCHED)
+_KINDS = frozenset((types.MethodType, types.FunctionType, functools.partial, tuple, list, dict))
+_LOOKED_AT = (nn.Module, functools.partial)
+# Types that never hold anything to rebind (most attributes): skipped by one set lookup.
+_ATOMS = frozenset(
+    (bool, int, float, complex, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.dtype)
+)
 
 Mapping = dict[int, Any]  # id of a tree module -> what to bind in its place
 
@@ -176,6 +181,8 @@ def rebind(value: Any, mapping: Mapping) -> Any:
 
 def _rebind(value: Any, mapping: Mapping, memo: dict[int, Any], depth: int) -> Any:
     kind = type(value)
+    if kind in _ATOMS:
+        return value
     if kind is types.MethodType:
         target = mapping.get(id(value.__self__))
         if target is not None:
@@ -192,6 +199,8 @@ def _rebind(value: Any, mapping: Mapping, memo: dict[int, Any], depth: int) -> A
     deeper = depth + 1
     result = value
     if kind is tuple or kind is list:
+        if _ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
+            return value
         items = [_rebind(v, mapping, memo, deeper) for v in value]
         if any(a is not b for a, b in zip(items, value, strict=True)):
             result = kind(items)
@@ -275,7 +284,11 @@ def bound_keys(d: dict[str, Any], probe: Mapping) -> tuple[str, ...]:
     have none."""
     found: list[str] = []
     for name, value in d.items():
-        if name in _SKIPPED or not isinstance(value, _LOOKED_AT):
+        kind = type(value)
+        if kind in _ATOMS or name in _SKIPPED:
+            continue
+        # Exact containers only: torch's own tables (OrderedDicts of flags) are not looked at.
+        if kind not in _KINDS and not isinstance(value, _LOOKED_AT):
             continue
         if rebind(value, probe) is not value:
             found.append(name)
