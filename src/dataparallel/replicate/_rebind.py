@@ -74,7 +74,7 @@ _SKIPPED = frozenset(
 # The types a search looks into; anything else is left alone (most attributes are numbers,
 # strings, tensors and tables).
 _SEARCHED = (types.MethodType, types.FunctionType, functools.partial, tuple, list, dict)
-_KINDS = frozenset((types.MethodType, types.FunctionType, functools.partial, tuple, list, dict))
+_BINDABLE = frozenset((types.MethodType, types.FunctionType, functools.partial, tuple, list, dict))
 _LOOKED_AT = (nn.Module, functools.partial)
 # Types that never hold anything to rebind (most attributes): skipped by one set lookup.
 _ATOMS = frozenset(
@@ -288,7 +288,7 @@ def bound_keys(d: dict[str, Any], probe: Mapping) -> tuple[str, ...]:
         if kind in _ATOMS or name in _SKIPPED:
             continue
         # Exact containers only: torch's own tables (OrderedDicts of flags) are not looked at.
-        if kind not in _KINDS and not isinstance(value, _LOOKED_AT):
+        if kind not in _BINDABLE and not isinstance(value, _LOOKED_AT):
             continue
         if rebind(value, probe) is not value:
             found.append(name)
