@@ -446,7 +446,9 @@ class Replicas:
         set_dict = object.__setattr__
         new_od = OrderedDict
         rebinding = self.rebinding
-        rebinding.plan(modules, range(len(modules)) if only is None else only)
+        # An OptimizedModule has no replica of its own (its node holds its child's).
+        indices = range(len(modules)) if only is None else only
+        rebinding.plan(modules, [i for i in indices if self.sources[i].through is None])
         for replica in self.replicas[self.first :]:
             nodes = replica.nodes if only is None else [replica.nodes[i] for i in only]
             private: list[torch.Tensor] | None = None
