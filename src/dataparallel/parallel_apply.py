@@ -22,7 +22,9 @@ Each task replays the caller's context in its worker:
 
 State a worker cannot share (a ``torch.func`` transform, a dispatch mode or another function
 mode, saved-tensor hooks) makes the call run every replica inline on the caller's thread, one
-after another, so the result is one device's (:mod:`dataparallel._thread_state`).
+after another, so the result is one device's (:mod:`dataparallel._thread_state`). So do
+replicas that ``replicate`` marked (``_rebind.SERIAL``): a hook or forward of theirs leads to the
+user's module through something that cannot be rebound to each replica.
 
 A call made from inside a pool worker (a DataParallel nested in a replica's forward) runs its
 replicas inline, one after another, instead of waiting on the pool it is part of.
@@ -64,6 +66,7 @@ from dataparallel._spans import Span, cuda_pool
 from dataparallel._syncbn import ReplicaFailed, SyncCall
 from dataparallel._thread_state import Replay
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
+from dataparallel.replicate._rebind import SERIAL
 
 __all__ = ["apply_replicas", "describe_inputs", "in_order", "parallel_apply", "wait_for"]
 
@@ -464,7 +467,20 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
-    elif _deterministic() and _shared_generator(devices):  # reproducible draws: in order
+    elif (deterministic := _deterministic() and _shared_generator(devices)) or SERIAL in getattr(
+        modules[1], "__dict__", ()
+    ):
+        # One after another on the caller's thread, in replica order: reproducible draws from
+        # a generator the replicas share (deterministic algorithms), or a hook or forward that
+        # leads to the user's module and cannot be rebound to each replica (replicate warned
+        # once), which must never run from two threads at once.
+        if syncbn is not None:
+            syncbn.why = (
+                "torch.use_deterministic_algorithms(True) (replicas sharing a generator run in "
+                "order)"
+                if deterministic
+                else "a hook or forward that cannot be rebound to each replica"
+            )
         for task in tasks:
             _execute_first(task)
     else:

@@ -198,3 +198,18 @@ def test_self_referencing_gives_up_past_its_limit_as_yes() -> None:
     modules = list(net.modules())
     assert not self_referencing(modules)
     assert self_referencing(modules, limit=10)
+
+
+def test_self_referencing_follows_tensor_hooks_and_attributes() -> None:
+    # A parameter's hook or attribute that leads back (issue 29, item 12: the replica table
+    # kept such modules, and their replicas, alive for ever).
+    hooked = nn.Sequential(nn.Linear(2, 2))
+    hooked.scale = 2.0
+    hooked[0].weight.register_hook(lambda g: g * hooked.scale)
+    assert self_referencing(fingerprint(hooked)[0])
+    owned = nn.Sequential(nn.Linear(2, 2))
+    owned[0].bias.owner = owned  # type: ignore[attr-defined]
+    assert self_referencing(fingerprint(owned)[0])
+    plain = nn.Sequential(nn.Linear(2, 2))
+    plain[0].weight.register_hook(lambda g: g * 2)
+    assert not self_referencing(fingerprint(plain)[0])

@@ -194,8 +194,10 @@ def test_a_compiled_child_runs_its_own_copy_on_every_replica(devices: list[str])
     keys = list(model.state_dict())
     wrapper = dp.DataParallel(model, devices)
     x = torch.randn(7, 4)
-    with pytest.warns(UserWarning, match="compiled submodule"):
+    with pytest.warns(UserWarning, match="compiled submodule") as record:
         wrapper(x)
+    # The OptimizedModule's own forward is never a replica's: nothing to rebind or announce.
+    assert not [w for w in record if "cannot be rebound" in str(w.message)]
     for _ in range(2):
         wrapper(x)
     # BatchNorm (training) counted one batch per call, from replica 0's chunk: 3 calls
@@ -306,12 +308,31 @@ def _self_referencing(kind: str) -> nn.Module:
             box["levels"][0][0]["model"].training  # noqa: B018
 
         model[0].register_forward_pre_hook(hook)
+    elif kind == "tensor hook":
+        model.gscale = 0.5
+        model[0].weight.register_hook(lambda g: g * model.gscale)
+    elif kind == "tensor attribute":
+        model[2].bias.owner = model  # type: ignore[attr-defined]
+    elif kind == "buffer attribute":
+        model[1].register_buffer("steps", torch.zeros(()))
+        model[1].steps.owner = model  # type: ignore[attr-defined]
     return model
 
 
-KINDS = ["hook object", "bound method", "config object", "deep closure"]
+KINDS = [
+    "hook object",
+    "bound method",
+    "config object",
+    "deep closure",
+    "tensor hook",
+    "tensor attribute",
+    "buffer attribute",
+]
 
 
+# The hook object and the closure over a deeply nested box cannot be rebound to each replica:
+# announced (tests/replicate/test_rebind.py).
+@pytest.mark.filterwarnings("ignore:module. the forward .*cannot be rebound:UserWarning")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
 def test_a_dropped_module_is_freed_whatever_points_back_to_it(
@@ -326,6 +347,38 @@ def test_a_dropped_module_is_freed_whatever_points_back_to_it(
     del model, wrapper, replicas
     gc.collect()
     assert ref() is None
+
+
+class GradScaled(nn.Module):
+    """The issue's module: a tensor hook on a parameter that reads an attribute of the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gscale = 0.5
+        self.lin.weight.register_hook(lambda g: g * self.gscale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("how", ["replicate", "data_parallel"])
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_fresh_modules_with_a_tensor_hook_back_to_them_are_not_kept(
+    how: str, devices: list[str]
+) -> None:
+    refs: list[weakref.ref[nn.Module]] = []
+    for _ in range(20):
+        model = GradScaled()
+        x = torch.randn(5, 4)
+        if how == "replicate":
+            dp.replicate(model, devices)[-1](x[:2]).sum().backward()
+        else:
+            dp.data_parallel(model, x, devices).sum().backward()
+        refs.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
 
 
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)

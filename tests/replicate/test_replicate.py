@@ -76,12 +76,14 @@ def test_replicas_are_invisible_to_the_module() -> None:
     replicas = replicate(model, CPU3)
     assert list(model.state_dict()) == keys
     # Replica 0 on the module's own device is the module itself (nothing to copy or re-sync);
-    # the others are replicas as torch makes them: no registered parameters, not submodules.
+    # the others are modules in their own right (their own parameters, listed as the module
+    # lists its own; torch's replicas list none), never submodules of the module.
     assert replicas[0] is model
-    assert all(list(r.parameters()) == [] for r in replicas[1:])  # torch's replicas too
+    names = [n for n, _ in model.named_parameters()]
+    assert all([n for n, _ in r.named_parameters()] == names for r in replicas[1:])
     assert not any(r is m for r in replicas[1:] for m in model.modules())
-    # A replica's state_dict holds only buffers, never the module itself.
-    assert set(replicas[1].state_dict()) <= {k for k in keys if "bn." in k}
+    # A replica's state_dict has the module's keys, never the module itself.
+    assert list(replicas[1].state_dict()) == keys
 
 
 def test_second_call_reuses_replicas_and_fresh_replicate_does_not() -> None:
@@ -256,7 +258,11 @@ def test_lstm_uses_its_own_replication_hook() -> None:
         reference(x)[0].sum().backward()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
-    assert list(replicas[1].parameters()) == []
+    # The replica lists the tensors its forward uses (the flat weights), as the module does.
+    assert [n for n, _ in replicas[1].named_parameters()] == [
+        n for n, _ in model.named_parameters()
+    ]
+    assert all(p is getattr(replicas[1], n) for n, p in replicas[1].named_parameters())
 
 
 def test_hooks_run_in_replicas() -> None:

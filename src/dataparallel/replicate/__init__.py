@@ -13,9 +13,11 @@ looks only at the module's own tree (``_check.Snapshot``):
 - the structure changed (a submodule, parameter or buffer added, replaced or moved): the
   replicas are built again.
 
-Nothing here changes torch or any other module. Replicas never register the module as a child
-and do not expose parameters (``replica.parameters()`` is empty, as in torch), so they never
-appear in ``module.state_dict()``.
+Nothing here changes torch or any other module. A replica is a module in its own right inside
+forward: ``self.parameters()``, ``named_*()``, ``buffers()`` and ``state_dict()`` list that
+replica's tensors (torch's replicas list no parameters), and methods, hooks, partials and
+closures bound to a module of the tree are bound to the replica (``_rebind``). Replicas never
+register the module as a child, so they never appear in ``module.state_dict()``.
 
 Who keeps the replicas:
 
@@ -23,8 +25,9 @@ Who keeps the replicas:
   call at a time through them;
 - :func:`replicate` keeps them in a process-wide table that holds the module only weakly. A
   module whose attributes or hooks lead back to it (a hook that is one of its bound methods, a
-  config object holding it) is not kept there, as the table would then keep it alive: it gets
-  fresh replicas on every call, as in torch. Callers of :func:`replicate` with the same module
+  config object holding it, a parameter hook or tensor attribute reading it) is not kept
+  there, as the table would then keep it alive: it gets fresh replicas on every call, as in
+  torch. Callers of :func:`replicate` with the same module
   and devices share one set: two threads running it at once should use
   :func:`fresh_replicate` (or a wrapper each).
 """

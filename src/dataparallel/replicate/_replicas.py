@@ -13,9 +13,13 @@ What is synced, and why:
 
 - plain attributes and training flags: a replica's ``__dict__`` is refilled from its source
   module's whenever the snapshot says that module was written (so ``model.scale = 3.0``,
-  ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call);
-- parameters: a replica on a parameter's own device uses the parameter itself (no copy, the
-  gradient lands on it directly). On another device, with grad enabled, every call makes fresh
+  ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call); what in it is
+  bound to a module of the tree (an instance ``forward``, a bound-method hook) is rebound to
+  the replica (``_rebind``);
+- parameters: both attributes and ``_parameters`` entries of the replica, so
+  ``self.parameters()`` inside forward lists what the replica computes with. A replica on a
+  parameter's own device uses the parameter itself (no copy, the gradient lands on it
+  directly). On another device, with grad enabled, every call makes fresh
   copies (differentiable ones, torch's ``Broadcast`` between CUDA devices and
   ``param.to(device)`` otherwise, so gradients flow back to the module's own parameters). With
   grad disabled the copies made by an earlier call without grad are refreshed in place, in one
@@ -55,6 +59,7 @@ from torch import nn
 from dataparallel._warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
+from dataparallel.replicate._rebind import SERIAL, Rebinding, rebind_state, replica_zero_grad
 from dataparallel.replicate._records import (
     NOT_YET,
     Key,
@@ -104,6 +109,7 @@ class Replicas:
             through = index[id(inner)] if wraps and isinstance(inner, nn.Module) else None
             self.sources.append(Source(i, None if i == 0 else m, through))
         self.compiled_seen = False  # whether the eager-replica warning was given
+        self.rebinding = Rebinding()  # what each replica's __dict__ rebinds to the replica
         wrapped = [s.through for s in self.sources if s.through is not None]
         if wrapped and len(devices) > 1:
             self._warn_compiled(f"torch.compile({type(modules[wrapped[0]]).__name__})")
@@ -414,15 +420,18 @@ class Replicas:
             for node in full:
                 s = node.source
                 if s.custom:  # a custom replication hook or __setattr__
-                    src = root if s.module is None else s.module
-                    self._sync_custom(node, src, tensors, buffers)
+                    self._sync_custom(root, replica, node, tensors, buffers)
                     continue
                 d = node.module.__dict__
                 if s.param_names and new_params:
                     attrs = dict(zip(s.param_names, map(take_param, s.param_slots), strict=True))
                     # torch exposes the copies here for DDP (#33907); harmless elsewhere.
                     d["_former_parameters"] = OrderedDict(attrs)
+                    # Attributes, so ``self.weight`` resolves without ``__getattr__``; and
+                    # ``_parameters``, so ``self.parameters()`` and ``state_dict()`` inside
+                    # forward see this replica's tensors (torch's replicas list none).
                     d.update(attrs)
+                    d["_parameters"].update(attrs)
                 if s.buffer_names and new_buffers:
                     d["_buffers"].update(
                         zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
@@ -447,9 +456,14 @@ class Replicas:
         modules = self.modules(root)
         set_dict = object.__setattr__
         new_od = OrderedDict
+        rebinding = self.rebinding
+        # An OptimizedModule has no replica of its own (its node holds its child's).
+        indices = range(len(modules)) if only is None else only
+        rebinding.plan(modules, [i for i in indices if self.sources[i].through is None])
         for replica in self.replicas[self.first :]:
             nodes = replica.nodes if only is None else [replica.nodes[i] for i in only]
             private: list[torch.Tensor] | None = None
+            mapping = None
             for node in nodes:
                 s = node.source
                 if s.through is not None or s.custom:
@@ -467,11 +481,25 @@ class Replicas:
                     d["_parameters"] = dict.fromkeys(s.none_params) if s.none_params else {}
                     d["_buffers"] = buffer_table(s, private)
                 self._own_state(d, node.hooks, modules[s.index])
+                keys = rebinding.keys.get(s.index)
+                if keys:  # methods and hooks bound to the tree: bound to this replica
+                    if mapping is None:
+                        mapping = rebinding.mapping(modules, [n.module for n in replica.nodes])
+                    rebind_state(d, keys, mapping)
                 set_dict(node.module, "__dict__", d)
+        # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
+        reason = rebinding.reason(modules, len(self.devices))
+        for replica in self.replicas[self.first :]:
+            d = replica.nodes[0].module.__dict__
+            if reason is None:
+                d.pop(SERIAL, None)
+            else:
+                d[SERIAL] = reason
 
     def _own_state(self, d: dict[str, Any], hooks: list[Any], source: nn.Module) -> None:
         """What a replica's new ``__dict__`` must not share with its source's."""
         own_hooks(d, hooks)
+        d["zero_grad"] = replica_zero_grad  # never the module's gradients from a replica
         if d.get("_compiled_call_impl") is not None:
             # module.compile(): the compiled call is bound to the user's module; the replica
             # runs its own forward, eagerly.
@@ -491,13 +519,15 @@ class Replicas:
 
     def _sync_custom(
         self,
+        root: nn.Module,
+        replica: Replica,
         node: Node,
-        src: nn.Module,
         tensors: list[torch.Tensor],
         buffers: list[torch.Tensor],
     ) -> None:
         """Re-sync a replica of a module with its own replication hook or ``__setattr__``."""
         s = node.source
+        src = root if s.module is None else s.module
         d = src._replicate_for_data_parallel().__dict__.copy()
         none_params = s.none_params
         d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
@@ -509,13 +539,24 @@ class Replicas:
         )
         d["_former_parameters"] = attrs
         self._own_state(d, node.hooks, src)
+        keys = self.rebinding.keys.get(s.index)
+        if keys:
+            modules = self.modules(root)
+            objects = [n.module for n in replica.nodes]
+            rebind_state(d, keys, self.rebinding.mapping(modules, objects))
         rep = node.module
+        if SERIAL in rep.__dict__:  # the root's mark, set by the last fill
+            d[SERIAL] = rep.__dict__[SERIAL]
         object.__setattr__(rep, "__dict__", d)
         if attrs:
             for name, value in attrs.items():
                 setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
-            # setattr registers a same-device Parameter: keep replicas free of them.
-            rep.__dict__["_parameters"] = dict.fromkeys(none_params) if none_params else {}
+            # setattr registers a same-device Parameter (and a copy lands in ``__dict__``):
+            # make both hold every tensor, as ``_install`` does for plain modules.
+            rep.__dict__.update(attrs)
+            table: dict[str, torch.Tensor | None] = dict.fromkeys(none_params)
+            table.update(attrs)
+            rep.__dict__["_parameters"] = table
 
 
 def _mode() -> str | None:
