@@ -5,6 +5,7 @@ inside ``ddp_session`` and inside a ``DataParallel`` run on a rank alike (issue 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,26 +27,34 @@ def _model() -> nn.Module:
     )
 
 
-def _errors_worker(out_dir: str) -> None:
-    found: dict[str, str] = {}
+def _ddp_session_worker(out_dir: str) -> None:
     try:  # torch's DDP refuses SyncBatchNorm on CPU modules at construction
         with ddp_session(_model()):
-            found["ddp_session"] = "ran"
+            found = "ran"
     except ValueError as exc:
-        found["ddp_session"] = str(exc)
+        found = str(exc)
+    rank = int(os.environ["RANK"])
+    Path(out_dir, f"ddp_session-{rank}.json").write_text(json.dumps(found))
+
+
+def _wrapper_worker(out_dir: str) -> None:
     with distributed() as info:
         try:  # a DataParallel on a rank: the layer takes torch's process-group path
             dp.DataParallel(_model(), ["cpu", "cpu"])(torch.randn(4, 4))
-            found["DataParallel"] = "ran"
+            found = "ran"
         except ValueError as exc:
-            found["DataParallel"] = str(exc)
-        Path(out_dir, f"{info.rank}.json").write_text(json.dumps(found))
+            found = str(exc)
+        Path(out_dir, f"DataParallel-{info.rank}.json").write_text(json.dumps(found))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch refuses CPU tensors only")
 def test_torch_process_group_path_is_kept(tmp_path: Path) -> None:
-    run_workers(_errors_worker, 2, str(tmp_path))
+    # Two jobs, each with its own port: a second process group on the port of one just torn
+    # down could meet a rank still on the first one's store.
+    run_workers(_ddp_session_worker, 2, str(tmp_path))
+    run_workers(_wrapper_worker, 2, str(tmp_path))
     for rank in range(2):
-        found = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert "SyncBatchNorm layers only work with GPU modules" in found["ddp_session"], found
-        assert "SyncBatchNorm expected input tensor to be on GPU" in found["DataParallel"], found
+        session = json.loads((tmp_path / f"ddp_session-{rank}.json").read_text())
+        wrapper = json.loads((tmp_path / f"DataParallel-{rank}.json").read_text())
+        assert "SyncBatchNorm layers only work with GPU modules" in session, session
+        assert "SyncBatchNorm expected input tensor to be on GPU" in wrapper, wrapper
