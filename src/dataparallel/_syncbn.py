@@ -161,6 +161,23 @@ class SyncLayers:
         return SyncCall(self, list(devices))
 
 
+def sync_call(
+    state: dict[str, Any], replicas: list[nn.Module], devices: list[torch.device]
+) -> SyncCall | None:
+    """A wave's rendezvous, or ``None`` when the module has no ``SyncBatchNorm`` in training
+    mode. ``state`` is the wrapper's ``__dict__``: it keeps the tables of the last two replica
+    sets (a full wave and a shorter last one), found once per set (held weakly), so a call
+    costs one identity check per replica and one flag per layer."""
+    tables: list[SyncLayers] = state.get("_sync_layers") or []
+    for table in tables:
+        if table.matches(replicas):
+            break
+    else:  # newest first
+        table = SyncLayers(replicas)
+        state["_sync_layers"] = [table, *tables[:1]]
+    return table.call(devices) if table.layers else None
+
+
 class _Slot:
     """One use of one layer in one call: each replica's (mean, var, count, ready event), then
     the result and its ready event (CUDA events; ``None`` elsewhere)."""

@@ -1,4 +1,5 @@
-"""``DataParallel`` and ``data_parallel``: the pipeline composed.
+"""``DataParallel``: the pipeline composed (``data_parallel``, its functional form, is in
+``dataparallel.functional``).
 
 ``DataParallel.forward`` reads as torch's: scatter, replicate, parallel_apply, gather, each an
 overridable method with torch's signature, so subclasses written for
@@ -10,7 +11,6 @@ a gather that knows each replica's chunk size.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -36,10 +36,16 @@ from dataparallel._partial_sums import (
     summing_note,
     weight_total,
 )
+from dataparallel._placement import (
+    check_on_device,
+    copy_buffers_back,
+    sentinels_hold,
+    sentinels_of,
+)
 from dataparallel._results import CallStats, DeviceOutputs
 from dataparallel._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel._steps import StepCall, StepMethod, step_rules
-from dataparallel._syncbn import SyncCall, SyncLayers, batchnorm_note
+from dataparallel._syncbn import batchnorm_note, sync_call
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
@@ -60,7 +66,7 @@ from dataparallel.replicate._compiled import (
 )
 from dataparallel.scatter import take
 
-__all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]
+__all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
 
 # What a wrapper keeps for its calls, not as its state: a copy (deepcopy, pickle) or a replica
 # (a wrapper nested in a replicated module) starts without them and makes its own, so no two
@@ -460,7 +466,7 @@ class DataParallel(nn.DataParallel):
         run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
         if method is not None:  # train_step & co.: each replica runs its own method
             run = [StepCall(replica, method) for replica in replicas]
-        sync = None if len(replicas) < 2 else self._sync_call(replicas, devices)
+        sync = None if len(replicas) < 2 else sync_call(self.__dict__, replicas, devices)
         if steps.parallel_apply and not alone:
             # an override may call super().parallel_apply: it needs this wave's devices (and
             # the wave's SyncBatchNorm rendezvous)
@@ -475,22 +481,8 @@ class DataParallel(nn.DataParallel):
         else:
             outputs = apply_replicas(run, args, kws, devices, timers, sync)
         if replicas[0] is not self.module and not later:  # a later wave's writes are dropped
-            _copy_buffers_back(replicas[0], self.module)
+            copy_buffers_back(replicas[0], self.module)
         return outputs
-
-    def _sync_call(self, replicas: list[nn.Module], devices: list[torch.device]) -> SyncCall | None:
-        """The wave's SyncBatchNorm rendezvous (``dataparallel._syncbn``), or ``None`` when
-        the module has no such layer in training mode. The layers are found once per replica
-        set (held weakly); a call then costs one identity check per replica and one flag per
-        layer."""
-        tables: list[SyncLayers] = self.__dict__.get("_sync_layers") or []
-        for table in tables:
-            if table.matches(replicas):
-                break
-        else:  # newest first; waves may use two sets (a full wave and a shorter last one)
-            table = SyncLayers(replicas)
-            self.__dict__["_sync_layers"] = [table, *tables[:1]]
-        return table.call(devices) if table.layers else None
 
     def _gather_all(
         self,
@@ -574,45 +566,16 @@ class DataParallel(nn.DataParallel):
 
     def _check_module_device(self) -> None:
         """The module must be on ``device_ids[0]``: checked in full on the first call, then
-        through two sentinel tensors (``model.to(...)`` moves them too), so a deep module does
-        not pay a walk over every parameter per call. A misplaced tensor the sentinels miss
-        makes torch raise in the forward, and ``forward`` then runs the full check.
-
-        A sentinel is a place, not a tensor: its module (held weakly), its table and its name,
-        read on each call. Nothing is attached to the user's tensors (a weak reference to one
-        makes ``torch.utils.swap_tensors``, and so ``module.to()`` under
-        ``set_swap_module_params_on_conversion(True)``, refuse it), and a tensor the user
-        replaces is freed at once; a place that no longer holds a tensor means a full check."""
-        sentinels: list[_Sentinel] | None = self.__dict__.get("_sentinels")
+        through two sentinels (``dataparallel._placement``), so a deep module does not pay a
+        walk over every parameter per call."""
         device = self.src_device_obj
-        if sentinels is not None:
-            tensors = [_sentinel_tensor(s) for s in sentinels]
-            if all(t is not None and _same_device(t.device, device) for t in tensors):
-                return
-        self._check_module_device_fully()
-        found = [
-            (weakref.ref(m), table, name)
-            for m in self.module.modules()
-            for table in ("_parameters", "_buffers")
-            for name, t in getattr(m, table).items()
-            if t is not None
-        ]
-        self.__dict__["_sentinels"] = found[:1] + found[-1:]
+        if sentinels_hold(self.__dict__.get("_sentinels"), device):
+            return
+        check_on_device(self.module, device)
+        self.__dict__["_sentinels"] = sentinels_of(self.module)
 
     def _check_module_device_fully(self) -> None:
-        device = self.src_device_obj
-        if _all_on(self.module, device):  # the cheap walk; names only on failure
-            return
-        for name, tensor in _named_tensors(self.module):
-            if not _same_device(tensor.device, device):
-                # "cpu:1" is a replica slot, not a place: the tensor goes to the CPU
-                where = "cpu" if device.type == "cpu" else str(device)
-                raise RuntimeError(
-                    f"module: expected its parameters and buffers on {device} (device_ids[0]), "
-                    f"found {name!r} on {tensor.device}; move it first with "
-                    f"model.module.to({where!r}), or list {str(tensor.device)!r} first in "
-                    f"device_ids"
-                )
+        check_on_device(self.module, self.src_device_obj)
 
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:
@@ -648,112 +611,3 @@ def _overrides(cls: type) -> _Overrides:
             for name in ("scatter", "replicate", "parallel_apply", "gather")
         )
     )
-
-
-def _same_device(found: torch.device, expected: torch.device) -> bool:
-    """Whether a tensor on ``found`` is where ``expected`` wants it: any CPU index is the CPU
-    (``"cpu:1"`` names a second CPU replica, but a tensor cannot be moved "to" it)."""
-    return found == expected or (found.type == "cpu" and expected.type == "cpu")
-
-
-def _all_on(module: nn.Module, device: torch.device) -> bool:
-    """Whether every parameter and buffer of ``module`` is on ``device`` (no names built)."""
-    return all(
-        t is None or _same_device(t.device, device)
-        for m in module.modules()
-        for group in (m._parameters, m._buffers)
-        for t in group.values()
-    )
-
-
-# Where a sentinel tensor lives: its module (held weakly), "_parameters" or "_buffers", its name.
-_Sentinel = tuple["weakref.ref[nn.Module]", str, str]
-
-
-def _sentinel_tensor(sentinel: _Sentinel) -> torch.Tensor | None:
-    ref, table, name = sentinel
-    module = ref()
-    if module is None:
-        return None
-    # A TorchScript module's tables are not in its __dict__, and have no .get.
-    tensors = getattr(module, table)
-    return tensors[name] if name in tensors else None  # noqa: SIM401
-
-
-def _copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
-    """Give the module replica 0's buffers after a call that did not run it as replica 0.
-
-    That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
-    weight), or is another slot than the module's (``["cpu:1", ...]``): replica 0 then ran on
-    private buffers, and without this the module's BatchNorm statistics would never update.
-    Only the buffers replica 0's forward changed are written, as the forward on one device
-    would have: an earlier call's graph may have saved the others (BatchNorm in ``eval()``, a
-    buffer used as a factor, directly or through ``.detach()``), and an in-place write, even of
-    the same value, would break its backward. Values are compared, since BatchNorm updates its
-    running statistics without bumping their version; the cost (one comparison per buffer) is
-    paid only by calls whose replica 0 is not the module itself.
-    """
-    with torch.no_grad():
-        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
-            if mine is theirs:
-                continue
-            value = theirs.to(mine.device)
-            if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
-                mine.copy_(value)
-
-
-def _named_tensors(module: nn.Module) -> Any:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-def data_parallel(
-    module: nn.Module,
-    inputs: Any,
-    device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
-    output_device: DeviceSpec | None = None,
-    dim: int = 0,
-    module_kwargs: Mapping[str, Any] | None = None,
-    **opts: Any,
-) -> Any:
-    """The functional form of ``DataParallel``: one call, same rules, cached replicas.
-
-    ``inputs`` is the tuple of positional arguments, or one argument; ``output_device=-1``
-    means the CPU. ``opts`` are ``DataParallel``'s keyword options.
-
-    >>> import torch, dataparallel as dp
-    >>> out = dp.data_parallel(torch.nn.Linear(4, 2), torch.randn(8, 4), ["cpu", "cpu"], -1)
-    >>> out.shape, out.device.type
-    (torch.Size([8, 2]), 'cpu')
-    """
-    # None means no inputs, as in torch (a forward that takes none)
-    args = inputs if type(inputs) is tuple else () if inputs is None else (inputs,)
-    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
-        raise TypeError(
-            f"module_kwargs: expected a dict of keyword arguments for forward, got "
-            f"{type(module_kwargs).__name__} {module_kwargs!r:.60}; pass e.g. {{'mask': mask}}, "
-            f"or put positional arguments in inputs as a tuple"
-        )
-    wrapper = DataParallel(module, device_ids, output_device, dim, **opts)
-    # One wrapper per call: the replicas live in dp.replicate's table, reused across calls,
-    # so every call on this module takes the module's one lock (a training thread and an
-    # evaluation thread take turns, as through one wrapper).
-    wrapper.__dict__["_replica_sets"] = ReplicaSets(shared=True)
-    wrapper.__dict__["_lock"] = _module_lock(module)
-    return wrapper(*args, **(module_kwargs or {}))
-
-
-_MODULE_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_MODULE_LOCKS_LOCK = threading.Lock()
-
-
-def _module_lock(module: nn.Module) -> threading.RLock:
-    """The call lock ``data_parallel`` shares for ``module`` (held weakly, made on first use)."""
-    try:
-        with _MODULE_LOCKS_LOCK:
-            lock = _MODULE_LOCKS.get(module)
-            if lock is None:
-                lock = _MODULE_LOCKS[module] = threading.RLock()
-            return lock
-    except TypeError:  # an unhashable module class: fresh replicas per call, nothing shared
-        return threading.RLock()

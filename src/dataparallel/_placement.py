@@ -1,0 +1,118 @@
+"""Where the wrapped module's tensors are: the device check, and replica 0's buffers written back.
+
+``DataParallel`` requires the module on ``device_ids[0]``, as torch's does. Checking every
+parameter on every call would cost a walk over a deep module, so the full check runs once and
+then two *sentinels* stand for it: the first and the last tensor of the module, found again by
+their place on each call (``model.to(...)`` moves them too). A misplaced tensor the sentinels
+miss makes torch raise in the forward, and the wrapper then runs the full check for a clear
+message.
+
+A sentinel is a place, not a tensor: its module (held weakly), its table and its name. Nothing
+is attached to the user's tensors (a weak reference to one makes ``torch.utils.swap_tensors``,
+and so ``module.to()`` under ``set_swap_module_params_on_conversion(True)``, refuse it), and a
+tensor the user replaces is freed at once; a place that no longer holds a tensor means a full
+check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+# Where a sentinel tensor lives: its module (held weakly), "_parameters" or "_buffers", its name.
+Sentinel = tuple["weakref.ref[nn.Module]", str, str]
+
+
+def same_device(found: torch.device, expected: torch.device) -> bool:
+    """Whether a tensor on ``found`` is where ``expected`` wants it: any CPU index is the CPU
+    (``"cpu:1"`` names a second CPU replica, but a tensor cannot be moved "to" it)."""
+    return found == expected or (found.type == "cpu" and expected.type == "cpu")
+
+
+def sentinels_hold(sentinels: list[Sentinel] | None, device: torch.device) -> bool:
+    """Whether the sentinels still hold tensors, all on ``device`` (then no full check)."""
+    if sentinels is None:
+        return False
+    tensors = [_sentinel_tensor(s) for s in sentinels]
+    return all(t is not None and same_device(t.device, device) for t in tensors)
+
+
+def sentinels_of(module: nn.Module) -> list[Sentinel]:
+    """The places of ``module``'s first and last tensor (none for a module without one)."""
+    found = [
+        (weakref.ref(m), table, name)
+        for m in module.modules()
+        for table in ("_parameters", "_buffers")
+        for name, t in getattr(m, table).items()
+        if t is not None
+    ]
+    return found[:1] + found[-1:]
+
+
+def check_on_device(module: nn.Module, device: torch.device) -> None:
+    """Raise a RuntimeError naming the first parameter or buffer of ``module`` that is not on
+    ``device`` (``device_ids[0]``), with the fix."""
+    if _all_on(module, device):  # the cheap walk; names only on failure
+        return
+    for name, tensor in _named_tensors(module):
+        if not same_device(tensor.device, device):
+            # "cpu:1" is a replica slot, not a place: the tensor goes to the CPU
+            where = "cpu" if device.type == "cpu" else str(device)
+            raise RuntimeError(
+                f"module: expected its parameters and buffers on {device} (device_ids[0]), "
+                f"found {name!r} on {tensor.device}; move it first with "
+                f"model.module.to({where!r}), or list {str(tensor.device)!r} first in "
+                f"device_ids"
+            )
+
+
+def copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
+    """Give the module replica 0's buffers after a call that did not run it as replica 0.
+
+    That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
+    weight), or is another slot than the module's (``["cpu:1", ...]``): replica 0 then ran on
+    private buffers, and without this the module's BatchNorm statistics would never update.
+    Only the buffers replica 0's forward changed are written, as the forward on one device
+    would have: an earlier call's graph may have saved the others (BatchNorm in ``eval()``, a
+    buffer used as a factor, directly or through ``.detach()``), and an in-place write, even of
+    the same value, would break its backward. Values are compared, since BatchNorm updates its
+    running statistics without bumping their version; the cost (one comparison per buffer) is
+    paid only by calls whose replica 0 is not the module itself.
+    """
+    with torch.no_grad():
+        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
+            if mine is theirs:
+                continue
+            value = theirs.to(mine.device)
+            if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
+                mine.copy_(value)
+
+
+def _all_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device`` (no names built)."""
+    return all(
+        t is None or same_device(t.device, device)
+        for m in module.modules()
+        for group in (m._parameters, m._buffers)
+        for t in group.values()
+    )
+
+
+def _sentinel_tensor(sentinel: Sentinel) -> torch.Tensor | None:
+    ref, table, name = sentinel
+    module = ref()
+    if module is None:
+        return None
+    # A TorchScript module's tables are not in its __dict__, and have no .get.
+    tensors = getattr(module, table)
+    return tensors[name] if name in tensors else None  # noqa: SIM401
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
