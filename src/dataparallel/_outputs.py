@@ -5,7 +5,7 @@ batch rules. What is gather's alone lives here: the chain of keys that names an 
 (``output['attn']``), formatted only when a message needs it; :func:`to_target`, which moves a
 single replica's output to the target device, reusing every container whose contents did not
 move; :func:`rebuild_at`, a rebuild whose error names the output path; and the equality checks
-and sums of the README's gather rules.
+and sums of the guide's gather rules (docs/guide.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and dataclasses. This module is the one place that classifies a value (:func:`ki
 dict lookup per class), lists a container's children in order (:func:`struct_items`: dict order
 as given, never sorted), names their paths (``args[1]['boxes']``, ``output.logits``), rebuilds a
 container with its own type (:func:`rebuild`: subclasses without calling their constructor,
-attributes and slots kept, as the README's gather rules say) and walks whole trees
+attributes and slots kept, as the guide's gather rules say) and walks whole trees
 (:func:`flatten`, :func:`unflatten`, :func:`leaves`, :func:`map_leaves`, :func:`map_tensors`),
 refusing cycles and nesting deeper than ``MAX_DEPTH`` with :class:`TooDeep`.
 

@@ -2,7 +2,7 @@
 
 ``torch.nn.DataParallel`` concatenates every tensor it finds, turns 0-dim losses into a vector
 and fails on strings, dataclasses and lists of boxes. ``gather`` reads each output by what it
-is, under the README's gather rules: batched tensors are concatenated, losses
+is, under the guide's gather rules (docs/guide.md): batched tensors are concatenated, losses
 averaged by chunk size, per-sample lists joined, structures rebuilt with their own type, and
 everything else kept once when the replicas agree.
 

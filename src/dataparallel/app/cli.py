@@ -117,9 +117,10 @@ EXPLAIN_EXAMPLES = (
     ),
 )
 BENCH_QUICK_TIME = "about 30 s"
-"""How long the quick set runs, measured on the project's 2-core machine (the README says it)."""
-BENCH_FULL_TIME = "about 4 minutes"
-"""How long the full set (``make bench``) runs, measured there; the README says the same."""
+"""How long the quick set runs, measured on the project's 2-core machine (docs/benchmarks.md
+says it)."""
+BENCH_FULL_TIME = "about 5 minutes"
+"""How long the full set (``make bench``) runs, measured there; docs/benchmarks.md says the same."""
 
 BENCH_EXAMPLES = (
     ("dataparallel bench", f"the quick set, {BENCH_QUICK_TIME}; JSON in benchmarks/results/"),

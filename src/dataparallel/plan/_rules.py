@@ -4,7 +4,7 @@
 size, decides ``B``, gives every leaf a rule (``split``, ``per-sample`` or ``broadcast``) with
 the reason, and cuts ``B`` into chunk sizes (and waves under ``max_size``). The result is a
 ``Plan``: a readable record for ``explain`` and a compiled tree that ``dataparallel.scatter``
-executes for any slice of the batch. The rules are the README's ("The batch rules, in short").
+executes for any slice of the batch. The rules are docs/guide.md's ("The batch rules, in short").
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _item_kind(x: Any) -> Any:
 
 
 def list_kind(obj: list[Any], dim: int) -> str:
-    """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list (the README's words:
+    """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list (the guide's words:
     a tensor list, a sequence, or structure)."""
     first = obj[0]
     # The kind of an item depends only on its type: one type, one kind (the common case,
@@ -578,7 +578,7 @@ def plan(
             visible CUDA device, else the CPU.
         dim: the batch dimension of tensors and ndarrays.
         **opts: ``batch_size``, ``chunk_sizes``, ``weights``, ``max_size``, ``dtype``,
-            ``strict`` (see the README, "The batch rules, in short").
+            ``strict`` (see docs/guide.md, "The batch rules, in short").
 
     Returns:
         A ``Plan``; ``str(plan)`` is a readable table of the votes and of each leaf's rule.
