@@ -43,6 +43,15 @@ def _foreign_threads() -> set[threading.Thread]:
     }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the suite Python's own Ctrl-C handling even when it was started with SIGINT
+    ignored (a background job of a non-interactive shell inherits ``SIG_IGN``): the tests that
+    send SIGINT to this process, or to the commands it starts (which inherit the default
+    disposition from a handled signal), check what a user's Ctrl-C does."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaks threads, environment variables, a SIGINT handler or a process
