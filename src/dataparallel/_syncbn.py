@@ -355,15 +355,15 @@ class SyncCall:
             if slot.result is None:
                 stuck = self._deadlocked(j)
                 if stuck:
-                    error = RuntimeError(
-                        f"SyncBatchNorm: replica {j} waits at layer {self._name(key)} while "
-                        f"{stuck}: the replicas reached their SyncBatchNorm layers in different "
-                        f"orders, so none can go on; every replica must run them in one order "
-                        f"(a layer a replica skips is fine)"
+                    raise self._fail(
+                        j,
+                        RuntimeError(
+                            f"SyncBatchNorm: replica {j} waits at layer {self._name(key)} while "
+                            f"{stuck}: the replicas reached their SyncBatchNorm layers in "
+                            f"different orders, so none can go on; every replica must run them "
+                            f"in one order (a layer a replica skips is fine)"
+                        ),
                     )
-                    self.failure = (j, _describe(error))
-                    self.cond.notify_all()
-                    raise error
             self.waiting[j] = key
             try:
                 self._wait_for(j, key, slot, deadline)
@@ -384,16 +384,23 @@ class SyncCall:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [i for i, p in enumerate(slot.parts) if p is None and i not in self.left]
-                error = TimeoutError(
-                    f"SyncBatchNorm layer {self._name(key)}: replica {j} waited "
-                    f"{self.timeout:g} s for replicas {missing} to reach it; a replica is "
-                    f"stuck, or the replicas ran one after another (run the call on one "
-                    f"device, or convert the layer back to BatchNorm)"
+                raise self._fail(
+                    j,
+                    TimeoutError(
+                        f"SyncBatchNorm layer {self._name(key)}: replica {j} waited "
+                        f"{self.timeout:g} s for replicas {missing} to reach it; a replica is "
+                        f"stuck, or the replicas ran one after another (run the call on one "
+                        f"device, or convert the layer back to BatchNorm)"
+                    ),
                 )
-                self.failure = (j, _describe(error))
-                self.cond.notify_all()
-                raise error
             self.cond.wait(left)
+
+    def _fail(self, j: int, error: BaseException) -> BaseException:
+        """Record replica ``j``'s ``error`` as the call's failure and wake every waiter (under
+        the lock); the caller raises what it returns."""
+        self.failure = (j, _describe(error))
+        self.cond.notify_all()
+        return error
 
     def _complete(self, slot: _Slot) -> None:
         """Combine the slot's statistics when every replica has handed in or left (under the

@@ -195,28 +195,18 @@ def format_plan(p: Planned) -> str:
     widths = [max(len(r[i]) for r in received) for i in range(2)]
     for path, to, receives in received:
         lines.append(f"  {path:<{widths[0]}}  {to:<{widths[1]}}  {receives}")
-    lines.extend(
-        textwrap.fill(
-            w,
-            width=100,
-            initial_indent="warning: ",
-            subsequent_indent="  ",
-            break_long_words=False,
-            break_on_hyphens=False,
+    for label, messages in (("warning: ", p.warnings), ("note: ", getattr(p, "notes", ()))):
+        lines.extend(
+            textwrap.fill(
+                m,
+                width=100,
+                initial_indent=label,
+                subsequent_indent="  ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+            for m in messages
         )
-        for w in p.warnings
-    )
-    lines.extend(
-        textwrap.fill(
-            n,
-            width=100,
-            initial_indent="note: ",
-            subsequent_indent="  ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-        for n in getattr(p, "notes", ())
-    )
     return "\n".join(lines)
 
 
