@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -252,6 +254,60 @@ def test_caller_interrupted_while_waiting_leaves_the_pool_usable() -> None:
     outs = parallel_apply([Failing(), Failing()], [(1,), (1, 2)], devices=["cpu"] * 2)
     assert outs == [1, 2]
     assert _pool_threads() == threads
+
+
+def test_an_interrupted_caller_waits_for_the_running_replica() -> None:
+    class Interrupter(nn.Module):
+        finished = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.1)  # the caller is past replica 0, waiting for this one
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            time.sleep(0.3)  # the caller has its KeyboardInterrupt meanwhile
+            Interrupter.finished = True
+            return x
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    with pytest.raises(KeyboardInterrupt):
+        parallel_apply([Failing(), Interrupter()], [torch.ones(1)] * 2, devices=["cpu"] * 2)
+    # The interrupt reached the caller only once the worker's chunk was done: a program that
+    # ends on it never leaves a worker inside a torch operator at exit.
+    assert Interrupter.finished
+
+
+SLOW_WORKER = """
+import os, signal, sys, threading, time, torch, dataparallel as dp
+
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.1)  # the caller is past replica 0, waiting for this one
+            os.kill(os.getpid(), signal.SIGINT)
+            a = torch.randn(1000, 1000)
+            for _ in range(20):
+                a = a @ a / 1000  # inside torch's C++ code, the GIL released
+        return self.lin(x)
+
+try:
+    dp.DataParallel(Slow(), ["cpu", "cpu"])(torch.randn(8, 4))
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_program_ending_on_ctrl_c_exits_with_its_own_status() -> None:
+    # Before, the interpreter exited while the worker was inside a matmul: SIGABRT (-6),
+    # "terminate called without an active exception".
+    done = subprocess.run(
+        [sys.executable, "-c", SLOW_WORKER], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 130, done.stderr[-2000:]
 
 
 @pytest.mark.timeout(30)

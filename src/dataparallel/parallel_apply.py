@@ -43,7 +43,8 @@ another its layers act per chunk, so no replica ever waits for one that runs aft
 An exception in a replica is re-raised in the caller after every replica has finished, with the
 same type where it can be built from one message, naming the replica, its device and its input
 shapes, and chained from the original (whose traceback shows). Workers survive every error,
-``KeyboardInterrupt`` included, so the next call uses the same threads.
+``KeyboardInterrupt`` included, so the next call uses the same threads. A Ctrl-C in the caller
+waits for the replicas already running to finish their chunk (``_run_on_pool`` says why).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import os
 import queue
 import threading
 from _thread import allocate_lock as _allocate_lock
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -119,6 +120,7 @@ class _Task:
     result: Any = None
     error: BaseException | None = None
     cancelled: bool = False
+    finished: bool = False  # set by whoever ran or skipped it, then ``done`` is released
     done: Any = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +207,7 @@ class _Worker:
                 else:
                     task.context.run(_execute, task)
             finally:
+                task.finished = True
                 task.done.release()
                 del task  # drop the module and outputs before blocking again
 
@@ -494,11 +497,8 @@ def apply_replicas(
             _run_on_pool(tasks, worker_slots)
         else:
             syncbn.concurrent = True
-            try:
-                _run_on_pool(tasks, worker_slots)
-            except BaseException as exc:  # interrupted: no replica may wait for one not run
-                syncbn.abort(exc)
-                raise
+            # Interrupted, no replica may wait for one that will not run.
+            _run_on_pool(tasks, worker_slots, syncbn.abort)
 
     if timings is not None:
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
@@ -589,13 +589,23 @@ def _execute_first(task: _Task) -> None:
         _execute(task)
 
 
-def _run_on_pool(tasks: list[_Task], slots: list[int]) -> None:
+def _run_on_pool(
+    tasks: list[_Task], slots: list[int], release: Callable[[BaseException], None] | None = None
+) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
     only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
     does (on the CPU the caller's grad mode and autocast are already its own). Errors are
     stored, not raised, so every replica has finished before ``_reraise`` looks.
+
+    Interrupted while submitting or waiting (Ctrl-C), it skips the tasks no worker has started,
+    calls ``release`` (a SyncBatchNorm rendezvous wakes the replicas waiting for one that will
+    never come), and waits for the running ones to finish their chunk before the interrupt goes
+    on: a program that ends on it while a worker is inside a torch operator aborts (the worker
+    thread is stopped at interpreter exit inside C++ code, and the process dies with SIGABRT
+    instead of its own exit status). A second Ctrl-C stops that wait. Every worker stays free
+    for the next call.
     """
     submitted = 1
     try:
@@ -605,9 +615,15 @@ def _run_on_pool(tasks: list[_Task], slots: list[int]) -> None:
         _execute_first(tasks[0])
         for task in tasks[1:]:
             task.done.acquire()
-    except BaseException:
-        # Interrupted while submitting or waiting (Ctrl-C): tasks not yet started are skipped,
-        # running ones finish on their own; every worker stays free for the next call.
-        for task in tasks[1:submitted]:
+    except BaseException as exc:
+        started = tasks[1:submitted]
+        for task in started:
             task.cancelled = True
+        if release is not None:
+            release(exc)
+        for task in started:
+            # A task whose lock this thread took already is marked finished; an interrupt
+            # between the two lines finds the lock taken and ends on the worker's mark below.
+            while not task.finished and not task.done.acquire(timeout=0.05):
+                pass
         raise
