@@ -191,6 +191,7 @@ class Snapshot:
         "_tensors",
         "_valued",
         "_values",
+        "_views",
     )
 
     def __init__(self, modules: list[nn.Module]) -> None:
@@ -205,6 +206,9 @@ class Snapshot:
         self._counted = list(chain.from_iterable(s.counted for s in states))
         self._named = list(chain.from_iterable(s.named for s in states))
         self._lens = list(chain.from_iterable(s.lens for s in states))
+        # Live views of the same dictionaries: read in ``same`` without a call per dictionary
+        # (a view shows its dictionary's values as they are now).
+        self._views = list(map(_VALUES, self._valued))
         self._values = [
             *chain.from_iterable(s.vals for s in states),
             *chain.from_iterable(s.keys for s in states),
@@ -219,10 +223,7 @@ class Snapshot:
             and all(
                 map(
                     operator.is_,
-                    chain(
-                        chain.from_iterable(map(_VALUES, self._valued)),
-                        chain.from_iterable(self._named),
-                    ),
+                    chain(chain.from_iterable(self._views), chain.from_iterable(self._named)),
                     self._values,
                 )
             )
