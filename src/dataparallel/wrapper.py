@@ -444,11 +444,12 @@ class DataParallel(nn.DataParallel):
         running statistics and ``num_batches_tracked``) lands once per call, from the first
         wave's replica 0; the copies' writes are dropped.
         """
+        module = self._modules["module"]  # (past nn.Module.__getattr__, on every call)
         if later:
-            return self.replicate(self.module, [self.src_device_obj, *devices])[1:]
+            return self.replicate(module, [self.src_device_obj, *devices])[1:]
         if len(devices) == 1 and devices[0] == self.src_device_obj:
-            return [self.module]
-        return self.replicate(self.module, devices)
+            return [module]
+        return self.replicate(module, devices)
 
     def _apply_wave(
         self,
@@ -461,7 +462,8 @@ class DataParallel(nn.DataParallel):
         later: int,
         method: str | None = None,
     ) -> list[Any]:
-        alone = len(replicas) == 1 and replicas[0] is self.module
+        module = self._modules["module"]  # (past nn.Module.__getattr__, on every call)
+        alone = len(replicas) == 1 and replicas[0] is module
         options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
         run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
         if method is not None:  # train_step & co.: each replica runs its own method
@@ -480,8 +482,8 @@ class DataParallel(nn.DataParallel):
             timers += [float("nan")] * len(devices)
         else:
             outputs = apply_replicas(run, args, kws, devices, timers, sync)
-        if replicas[0] is not self.module and not later:  # a later wave's writes are dropped
-            copy_buffers_back(replicas[0], self.module)
+        if replicas[0] is not module and not later:  # a later wave's writes are dropped
+            copy_buffers_back(replicas[0], module)
         return outputs
 
     def _gather_all(
