@@ -34,12 +34,24 @@ from dataparallel.plan._program import (
 __all__ = ["scatter", "scatter_kwargs", "take"]
 
 
+_MOVERS: dict[tuple[torch.device, torch.dtype | None], Any] = {}
+
+
 def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     """A function that moves one tensor to ``device``, casting floats to ``dtype``.
 
     Copies to a CUDA device are non-blocking: from pinned host memory they overlap with other
-    work, and the replica's stream orders them before its forward.
+    work, and the replica's stream orders them before its forward. Made once per
+    ``(device, dtype)`` and kept: every chunk of every call needs one (it holds no state).
     """
+    key = (device, dtype)
+    move = _MOVERS.get(key)
+    if move is None:
+        move = _MOVERS[key] = _make_mover(device, dtype)
+    return move
+
+
+def _make_mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     non_blocking = device.type == "cuda"
 
     def move(t: torch.Tensor) -> torch.Tensor:
