@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -444,7 +444,7 @@ class DataParallel(nn.DataParallel):
         running statistics and ``num_batches_tracked``) lands once per call, from the first
         wave's replica 0; the copies' writes are dropped.
         """
-        module = self._modules["module"]  # (past nn.Module.__getattr__, on every call)
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
         if later:
             return self.replicate(module, [self.src_device_obj, *devices])[1:]
         if len(devices) == 1 and devices[0] == self.src_device_obj:
@@ -462,7 +462,7 @@ class DataParallel(nn.DataParallel):
         later: int,
         method: str | None = None,
     ) -> list[Any]:
-        module = self._modules["module"]  # (past nn.Module.__getattr__, on every call)
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
         alone = len(replicas) == 1 and replicas[0] is module
         options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
         run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
