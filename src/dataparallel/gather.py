@@ -77,6 +77,9 @@ from dataparallel.devices import target_device as resolve_target
 __all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
+_SHAPE = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")  # True for CPU tensors only (not meta, not CUDA)
+_CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 _SCALAR_MODES = ("mean", "sum", "stack")
 
 # A path is a chain of (parent, accessor, key) tuples, None at the root; it is formatted only
@@ -453,7 +456,7 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
         if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
             return False  # 0-dim tensors are scalars (losses, metrics): the list is structure
         if types == {torch.Tensor} and dim >= 0:
-            if any(t.ndim > dim and t.shape[dim] == size for t in value):
+            if _any_batched(value, dim, size):
                 return False  # a batched tensor: the list is structure (torch's reading)
             continue
         for item in value:
@@ -466,6 +469,18 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
     return True
 
 
+def _any_batched(tensors: list[torch.Tensor], dim: int, size: int) -> bool:
+    """Whether any of ``tensors`` (all exact ``torch.Tensor``, ``dim >= 0``) has ``size``
+    along ``dim``."""
+    try:
+        # Every shape read at C speed. A tensor without dim ``dim`` (IndexError) or without
+        # sizes (a nested tensor: RuntimeError) fails it: the item-by-item reading below then
+        # decides, as if this line were not there (reading a shape changes nothing).
+        return size in map(operator.itemgetter(dim), map(_SHAPE, tensors))
+    except Exception:
+        return any(t.ndim > dim and t.shape[dim] == size for t in tensors)
+
+
 def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     target = ctx.target
     items: list[Any] = []
@@ -473,6 +488,10 @@ def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         types = set(map(type, value))
         if types <= ATOMS:
             items.extend(value)  # nothing to move
+        elif types == {torch.Tensor} and target == _CPU and all(map(_IS_CPU, value)):
+            # Every tensor is on the CPU (whose tensors all report device(type='cpu'), never
+            # an index): each is already on ``target``, as the line below would find.
+            items.extend(value)
         elif types == {torch.Tensor}:
             # What to_target does for a tensor, minus the call when it is already there.
             items.extend([t if t.device == target else t.to(target) for t in value])
