@@ -48,6 +48,8 @@ def resolve_device(spec: DeviceSpec, *, where: str = "device") -> torch.device:
     >>> resolve_device("cpu"), resolve_device(-1)
     (device(type='cpu'), device(type='cpu'))
     """
+    if type(spec) is str and spec == "cpu":  # the common spec, which the steps below accept
+        return torch.device("cpu")
     if isinstance(spec, bool):  # bool is an int subclass; True is never a device
         raise ValueError(f"{where}: expected a device such as 'cpu', 'cuda:0' or 0, got {spec!r}")
     if isinstance(spec, int):

@@ -77,6 +77,9 @@ from dataparallel.devices import target_device as resolve_target
 __all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
+_SHAPE = operator.attrgetter("shape")
+_IS_CPU = operator.attrgetter("is_cpu")  # True for CPU tensors only (not meta, not CUDA)
+_CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 _SCALAR_MODES = ("mean", "sum", "stack")
 
 # A path is a chain of (parent, accessor, key) tuples, None at the root; it is formatted only
@@ -426,8 +429,10 @@ def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if ctx.sizes is None:
         if not _all_scalar_tensors(values):
             return _concat_lists(values, path, ctx)
-    elif _per_sample(values, ctx.sizes, ctx.dim):
-        return _concat_lists(values, path, ctx)
+    else:
+        types = _per_sample(values, ctx.sizes, ctx.dim)
+        if types is not None:
+            return _concat_lists(values, path, ctx, types)
     n = len(first)
     if any(len(v) != n for v in values):
         return _concat_lists(values, path, ctx)
@@ -443,18 +448,22 @@ def _all_scalar_tensors(values: list[Any]) -> bool:
     )
 
 
-def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
+def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set[type]] | None:
+    """Whether the replicas' lists are per-sample: ``None`` when not, else each list's set of
+    item types (for ``_concat_lists``)."""
     if any(len(v) != size for v, size in zip(values, sizes, strict=True)):
-        return False
+        return None
+    found: list[set[type]] = []
     for value, size in zip(values, sizes, strict=True):
         types = set(map(type, value))
+        found.append(types)
         if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
         if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
-            return False  # 0-dim tensors are scalars (losses, metrics): the list is structure
+            return None  # 0-dim tensors are scalars (losses, metrics): the list is structure
         if types == {torch.Tensor} and dim >= 0:
-            if any(t.ndim > dim and t.shape[dim] == size for t in value):
-                return False  # a batched tensor: the list is structure (torch's reading)
+            if _any_batched(value, dim, size):
+                return None  # a batched tensor: the list is structure (torch's reading)
             continue
         for item in value:
             if (
@@ -462,17 +471,37 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> bool:
                 and -item.ndim <= dim < item.ndim
                 and item.shape[dim] == size
             ):
-                return False  # a batched tensor: the list is structure (torch's reading)
-    return True
+                return None  # a batched tensor: the list is structure (torch's reading)
+    return found
 
 
-def _concat_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
+def _any_batched(tensors: list[torch.Tensor], dim: int, size: int) -> bool:
+    """Whether any of ``tensors`` (all exact ``torch.Tensor``, ``dim >= 0``) has ``size``
+    along ``dim``."""
+    try:
+        # Every shape read at C speed. A tensor without dim ``dim`` (IndexError) or without
+        # sizes (a nested tensor: RuntimeError) fails it: the item-by-item reading below then
+        # decides, as if this line were not there (reading a shape changes nothing).
+        return size in map(operator.itemgetter(dim), map(_SHAPE, tensors))
+    except Exception:
+        return any(t.ndim > dim and t.shape[dim] == size for t in tensors)
+
+
+def _concat_lists(
+    values: list[Any], path: _Path, ctx: _Ctx, types_of: list[set[type]] | None = None
+) -> Any:
+    """The replicas' lists joined in order, tensors moved to the target. ``types_of``: each
+    list's set of item types, when the caller has read them."""
     target = ctx.target
     items: list[Any] = []
-    for value in values:
-        types = set(map(type, value))
+    for i, value in enumerate(values):
+        types = set(map(type, value)) if types_of is None else types_of[i]
         if types <= ATOMS:
             items.extend(value)  # nothing to move
+        elif types == {torch.Tensor} and target == _CPU and all(map(_IS_CPU, value)):
+            # Every tensor is on the CPU (whose tensors all report device(type='cpu'), never
+            # an index): each is already on ``target``, as the line below would find.
+            items.extend(value)
         elif types == {torch.Tensor}:
             # What to_target does for a tensor, minus the call when it is already there.
             items.extend([t if t.device == target else t.to(target) for t in value])

@@ -8,6 +8,7 @@ Every step is differentiable: tensors are cut with ``narrow`` and moved with ``t
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,11 @@ from dataparallel.plan._program import (
 )
 
 __all__ = ["scatter", "scatter_kwargs", "take"]
+
+_IS_CPU = operator.attrgetter("is_cpu")  # True for CPU tensors only (not meta, not CUDA)
+_CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
+# Exact types that are never a dp.Shared or dp.Split.
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 _MOVERS: dict[tuple[torch.device, torch.dtype | None], Any] = {}
@@ -141,7 +147,11 @@ def _per_sample(
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
             target = fn.target
-            if here is not None:
+            if here == _CPU and set(map(type, items)) == {tensor} and all(map(_IS_CPU, items)):
+                # Every item an exact tensor on the CPU (whose tensors all report
+                # device(type='cpu'), never an index), so each is kept, as the line below does.
+                items = list(items)
+            elif here is not None:
                 items = [
                     x
                     if type(x) is tensor and x.device == here
@@ -153,6 +163,8 @@ def _per_sample(
                     fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
                     for x in items
                 ]
+        elif set(map(type, items)) <= _ATOMS:  # names, ids, numbers: no marker to unwrap
+            items = list(items)
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
     except TooDeep:  # a cycle inside an item: the plan did not walk it

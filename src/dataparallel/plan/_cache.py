@@ -173,16 +173,16 @@ class _Walker:
         parts.append(len(obj))
         if not obj:
             return
-        kind = list_kind(obj, self.dim)
+        types = set(map(type, obj))  # read once for the three questions below
+        kind = list_kind(obj, self.dim, types)
         parts.append(kind)
         if kind == "structure":
             self.values(obj, depth + 1)
             return
-        types = frozenset(map(type, obj))
-        parts.append(types)
+        parts.append(frozenset(types))
         if kind == "tensorlist":  # one common size along dim, read from the first
             parts.append(obj[0].shape)
-        elif holds_arrays(obj) is None:
+        elif holds_arrays(obj, types) is None:
             # items of other kinds (dicts, records): whether tensors lie inside is a rule's
             # question too (a broadcast sequence that holds tensors warns)
             parts.append(any(contains_array(x) or contains_record(x) for x in obj))

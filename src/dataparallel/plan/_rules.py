@@ -81,7 +81,7 @@ _OPTION_NAMES = ("batch_size", "chunk_sizes", "weights", "max_size", "dtype", "s
 class _Info:
     """What pass 1 learned about one position; pass 2 turns it into a compiled node."""
 
-    __slots__ = ("children", "common", "keys", "kind", "obj", "path", "size")
+    __slots__ = ("children", "common", "keys", "kind", "obj", "path", "size", "types")
 
     def __init__(self, kind: str, obj: Any, path: str) -> None:
         self.kind = kind
@@ -91,6 +91,7 @@ class _Info:
         self.common: int | None = None
         self.keys: list[Any] = []
         self.children: list[_Info] = []
+        self.types: set[type] | None = None  # a list's item types, read once for both passes
 
 
 def _is_array(obj: Any) -> bool:
@@ -120,13 +121,15 @@ def _item_kind(x: Any) -> Any:
     return type(x)
 
 
-def list_kind(obj: list[Any], dim: int) -> str:
+def list_kind(obj: list[Any], dim: int, types: set[type] | None = None) -> str:
     """``tensorlist``, ``sequence`` or ``structure`` for a non-empty list (the guide's words:
-    a tensor list, a sequence, or structure)."""
+    a tensor list, a sequence, or structure). ``types``: the set of its items' types, when the
+    caller has it."""
     first = obj[0]
     # The kind of an item depends only on its type: one type, one kind (the common case,
     # checked at C speed); only a mix of types needs the item-by-item test.
-    types = set(map(type, obj))
+    if types is None:
+        types = set(map(type, obj))
     if isinstance(first, torch.Tensor):
         if len(types) > 1 and not all(isinstance(x, torch.Tensor) for x in obj):
             return "structure"
@@ -183,9 +186,11 @@ class _Collector:
             self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
             return info
         if isinstance(obj, list) and obj:
-            kind = list_kind(obj, dim)
+            types = set(map(type, obj))
+            kind = list_kind(obj, dim, types)
             if kind == "tensorlist":
                 info = _Info("tensorlist", obj, path)
+                info.types = types
                 info.common = _size_along(obj[0], dim)
                 info.size = len(obj)
                 self.votes.append(Vote(path, info.common or 0, f"common size along {self.axis}"))
@@ -193,6 +198,7 @@ class _Collector:
                 return info
             if kind == "sequence":
                 info = _Info("sequence", obj, path)
+                info.types = types
                 info.size = len(obj)
                 self.votes.append(Vote(path, info.size, "length"))
                 return info
@@ -371,7 +377,7 @@ class _Compiler:
             return Rebuild(info.path, LIST, children)
         if info.size == b:
             self.entry(info, PER_SAMPLE, f"a list of {b} tensors: its length is the batch size")
-            return PerSampleCut(info.path, self.cast, holds_arrays(obj))
+            return PerSampleCut(info.path, self.cast, holds_arrays(obj, info.types))
         # neither reading fits: each tensor follows the rules alone
         children = []
         for i, t in enumerate(obj):
@@ -387,7 +393,7 @@ class _Compiler:
             if has_to(info.obj[0]):
                 why += "; each item moved by its own .to(device)"
             self.entry(info, PER_SAMPLE, why)
-            return PerSampleCut(info.path, self.cast, holds_arrays(info.obj))
+            return PerSampleCut(info.path, self.cast, holds_arrays(info.obj, info.types))
         if contains_array(info.obj):
             self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
         self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
@@ -422,12 +428,14 @@ class _Compiler:
         return PerSampleCut(info.path, self.cast, holds_arrays(marker.obj), unwrap=True)
 
 
-def holds_arrays(items: Any) -> bool | None:
+def holds_arrays(items: Any, types: set[type] | None = None) -> bool | None:
     """What the item types of a per-sample sequence say about tensors inside its items:
     ``False`` for names, ids and numbers, ``True`` for tensors and ndarrays, ``None`` (each
     run looks) for anything else. Types only, so a reused plan's answer holds for any call
-    whose items have the same types."""
-    types = set(map(type, items))
+    whose items have the same types. ``types``: the set of the items' types, when the caller
+    has it."""
+    if types is None:
+        types = set(map(type, items))
     if types <= _ATOMS:
         return False
     if all(issubclass(t, (torch.Tensor, np.ndarray)) for t in types):
