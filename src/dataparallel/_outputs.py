@@ -18,6 +18,7 @@ import torch
 
 from dataparallel._packed import is_packed
 from dataparallel._tree import (
+    ATOMS,
     DATACLASS,
     LIST,
     MAPPING,
@@ -49,7 +50,6 @@ Path = Any
 
 # Exact types that hold no tensor and never move: per-sample lists of them (names, ids) are
 # checked and concatenated at C speed. Subclasses take the full walk.
-ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 def fmt(path: Path) -> str:

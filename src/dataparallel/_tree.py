@@ -33,6 +33,7 @@ from dataparallel.markers import Shared, Split
 
 __all__ = [
     "ARRAY",
+    "ATOMS",
     "BOOL",
     "DATACLASS",
     "LIST",
@@ -67,6 +68,9 @@ __all__ = [
     "struct_items",
     "unflatten",
 ]
+
+# Exact types of plain leaves (names, ids, numbers): nothing inside to move, cut or unwrap.
+ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 Kind = str
 

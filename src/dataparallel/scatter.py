@@ -17,7 +17,15 @@ from torch.nn.utils.rnn import pad_packed_sequence
 
 from dataparallel._movable import contains_record, move_item
 from dataparallel._packed import take_packed
-from dataparallel._tree import LIST, TooDeep, contains_array, map_tensors, rebuild, struct_items
+from dataparallel._tree import (
+    ATOMS,
+    LIST,
+    TooDeep,
+    contains_array,
+    map_tensors,
+    rebuild,
+    struct_items,
+)
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
@@ -37,7 +45,6 @@ __all__ = ["scatter", "scatter_kwargs", "take"]
 _IS_CPU = operator.attrgetter("is_cpu")  # True for CPU tensors only (not meta, not CUDA)
 _CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 # Exact types that are never a dp.Shared or dp.Split.
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 _MOVERS: dict[tuple[torch.device, torch.dtype | None], Any] = {}
@@ -163,7 +170,7 @@ def _per_sample(
                     fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
                     for x in items
                 ]
-        elif set(map(type, items)) <= _ATOMS:  # names, ids, numbers: no marker to unwrap
+        elif set(map(type, items)) <= ATOMS:  # names, ids, numbers: no marker to unwrap
             items = list(items)
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]

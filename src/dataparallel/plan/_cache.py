@@ -28,7 +28,14 @@ from torch.nn.utils.rnn import PackedSequence
 
 from dataparallel._movable import contains_record
 from dataparallel._packed import sequence_count
-from dataparallel._tree import MAPPING, MAX_DEPTH, container_kind, contains_array, struct_items
+from dataparallel._tree import (
+    ATOMS,
+    MAPPING,
+    MAX_DEPTH,
+    container_kind,
+    contains_array,
+    struct_items,
+)
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._program import Plan
 from dataparallel.plan._rules import build_plan, holds_arrays, list_kind
@@ -38,7 +45,6 @@ __all__ = ["PlanCache", "call_key"]
 
 _MAX_PLANS = 8  # a training and an evaluation call, a last smaller batch: a few signatures
 _Tensor = torch.Tensor
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 _FROZEN = (type(None), bool, int, float, str, torch.dtype)
 _SHAPE = attrgetter("shape")
 _LAYOUT = attrgetter("layout")
@@ -131,7 +137,7 @@ class _Walker:
     def one(self, obj: Any, depth: int) -> None:
         parts = self.parts
         cls = type(obj)
-        if cls in _ATOMS:
+        if cls in ATOMS:
             parts.append(cls)
             return
         if isinstance(obj, _Tensor):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from dataparallel._tree import container_kind, describe, struct_items
+from dataparallel._tree import ATOMS, container_kind, describe, struct_items
 from dataparallel.markers import Shared, Split
 
 
@@ -51,7 +51,6 @@ class Planned(Protocol):
 __all__ = ["format_plan", "row_text", "voters_phrase", "warning_text"]
 
 # Exact types that hold no tensor or ndarray.
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 
 def row_text(
@@ -79,7 +78,7 @@ def _tensors_in(obj: Any) -> tuple[bool, bool]:
         return _tensors_in(obj.obj)[0], False
     if isinstance(obj, Split):
         return _tensors_in(obj.obj)
-    if type(obj) in _ATOMS or isinstance(obj, (str, bytes, np.ndarray)):
+    if type(obj) in ATOMS or isinstance(obj, (str, bytes, np.ndarray)):
         return False, False
     kind = container_kind(obj)
     if kind is None:

@@ -25,6 +25,7 @@ from dataparallel._checks import (
 from dataparallel._movable import has_to
 from dataparallel._packed import is_packed, sequence_count
 from dataparallel._tree import (
+    ATOMS,
     LIST,
     MAPPING,
     MAX_DEPTH,
@@ -69,7 +70,6 @@ PER_SAMPLE = "per-sample"
 BROADCAST = "broadcast"
 
 # Exact types that hold no tensor or ndarray.
-_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 
 _OPTION_NAMES = ("batch_size", "chunk_sizes", "weights", "max_size", "dtype", "strict")
 
@@ -436,7 +436,7 @@ def holds_arrays(items: Any, types: set[type] | None = None) -> bool | None:
     has it."""
     if types is None:
         types = set(map(type, items))
-    if types <= _ATOMS:
+    if types <= ATOMS:
         return False
     if all(issubclass(t, (torch.Tensor, np.ndarray)) for t in types):
         return True
