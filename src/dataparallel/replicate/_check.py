@@ -33,7 +33,14 @@ from torch import nn
 
 from dataparallel._checks import check_initialized
 
-__all__ = ["Scripted", "Snapshot", "fingerprint", "self_referencing", "structure_key"]
+__all__ = [
+    "Scripted",
+    "Snapshot",
+    "filled",
+    "fingerprint",
+    "self_referencing",
+    "structure_key",
+]
 
 
 def fingerprint(root: nn.Module) -> tuple[list[nn.Module], list[Any]]:
@@ -253,7 +260,7 @@ def _referents(obj: Any) -> Iterator[Any]:
         yield from _tensor_referents(obj)
     elif isinstance(obj, types.FunctionType):
         # Not __globals__: a module-level name for the model is not a cycle through it.
-        yield from (cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+        yield from (cell.cell_contents for cell in obj.__closure__ or () if filled(cell))
         yield from obj.__defaults__ or ()
         yield from (obj.__kwdefaults__ or {}).values()
         yield obj.__dict__
@@ -311,7 +318,8 @@ def _tensor_referents(tensor: torch.Tensor) -> Iterator[Any]:
         yield from extra.values()
 
 
-def _filled(cell: Any) -> bool:
+def filled(cell: Any) -> bool:
+    """Whether a closure cell holds a value (an empty one raises on reading)."""
     try:
         cell.cell_contents  # noqa: B018 (an empty cell raises)
     except ValueError:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dataparallel._warn import warn_user
+from dataparallel.replicate._check import filled
 
 __all__ = [
     "MAX_DEPTH",
@@ -335,7 +336,7 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool:
             return False
         if isinstance(obj, types.FunctionType):
             # Not __globals__: a module-level name for the model is not bound to this call.
-            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if filled(c))
             stack.extend(obj.__defaults__ or ())
             stack.extend((obj.__kwdefaults__ or {}).values())
             stack.append(obj.__dict__)
@@ -345,14 +346,6 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool:
         else:
             stack.extend(gc.get_referents(obj))
     return False
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True
 
 
 def replica_zero_grad(set_to_none: bool = True) -> None:
