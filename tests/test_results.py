@@ -71,6 +71,21 @@ def test_last_call_records_the_plan_of_the_call(opts: dict[str, object]) -> None
         assert stats.chunk_sizes == plan.chunk_sizes
 
 
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu:1"], CPU3])
+def test_last_call_is_made_once_when_read_and_can_be_set(devices: list[str]) -> None:
+    model = dp.DataParallel(nn.Linear(3, 2), devices)
+    model(torch.randn(7, 3))
+    stats = model.last_call
+    assert isinstance(stats, CallStats)
+    assert model.last_call is stats  # made from the call's record once, then kept
+    assert stats.devices == [str(torch.device(d)) for d in devices]
+    assert sum(stats.chunk_sizes) == 7 and len(stats.seconds) == len(devices)
+    model.last_call = None
+    assert model.last_call is None
+    model(torch.randn(2, 3))
+    assert model.last_call is not None and sum(model.last_call.chunk_sizes) == 2
+
+
 def test_device_outputs_hold_each_chunk_and_rejoin_to_the_one_device_output() -> None:
     torch.manual_seed(0)
     module = nn.Linear(3, 2)

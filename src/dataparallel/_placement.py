@@ -38,8 +38,12 @@ def sentinels_hold(sentinels: list[Sentinel] | None, device: torch.device) -> bo
     """Whether the sentinels still hold tensors, all on ``device`` (then no full check)."""
     if sentinels is None:
         return False
-    tensors = [_sentinel_tensor(s) for s in sentinels]
-    return all(t is not None and same_device(t.device, device) for t in tensors)
+    for sentinel in sentinels:  # two at most: a loop, not a generator, on every call
+        t = _sentinel_tensor(sentinel)
+        # (device.type builds a string on each read: compared only when the devices differ)
+        if t is None or not (t.device == device or (t.is_cpu and device.type == "cpu")):
+            return False
+    return True
 
 
 def sentinels_of(module: nn.Module) -> list[Sentinel]:

@@ -19,6 +19,7 @@ __all__ = [
     "DeviceSpec",
     "check_runnable",
     "default_devices",
+    "device_type",
     "resolve_device",
     "resolve_devices",
     "target_device",
@@ -27,6 +28,20 @@ __all__ = [
 DeviceSpec: TypeAlias = "int | str | torch.device"
 
 _KNOWN_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
+_TYPES: dict[torch.device, str] = {}
+
+
+def device_type(device: torch.device) -> str:
+    """``device.type``, read once per device: torch builds a new string on every read of
+    ``.type`` (about 0.25 µs), and the per-call steps ask it of each replica's device.
+
+    >>> device_type(torch.device("cuda", 1)), device_type(torch.device("cpu"))
+    ('cuda', 'cpu')
+    """
+    found = _TYPES.get(device)
+    if found is None:
+        found = _TYPES[device] = device.type  # a few devices per process: never pruned
+    return found
 
 
 def _fix_hint() -> str:

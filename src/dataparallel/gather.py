@@ -247,7 +247,10 @@ def gather_outputs(
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
-            return to_target(outputs[0], target, None)
+            out = outputs[0]
+            if type(out) is torch.Tensor and out.device == target:  # the common one-device call
+                return out
+            return to_target(out, target, None)
         if sizes is None:
             found = [first_batch_size(v, dim) for v in outputs]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]

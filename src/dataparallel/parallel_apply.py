@@ -66,7 +66,7 @@ from dataparallel import _thread_state as thread_state
 from dataparallel._spans import Span, cuda_pool
 from dataparallel._syncbn import ReplicaFailed, SyncCall
 from dataparallel._thread_state import Replay
-from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices
+from dataparallel.devices import DeviceSpec, check_runnable, device_type, resolve_devices
 from dataparallel.replicate._rebind import SERIAL
 
 __all__ = ["apply_replicas", "describe_inputs", "in_order", "parallel_apply", "wait_for"]
@@ -427,7 +427,7 @@ def apply_replicas(
         modules = cast(Sequence[nn.Module], syncbn.bind(modules))
     else:
         syncbn = None
-    if n == 1 and devices[0].type != "cuda":
+    if n == 1 and device_type(devices[0]) != "cuda":
         return [_apply_here(modules[0], inputs[0], kwargs_tup[0], devices[0], timings)]
     grad = torch.is_grad_enabled()
     sync = timings is not None
@@ -438,15 +438,16 @@ def apply_replicas(
     for module, args, kwargs, device in zip(modules, inputs, kwargs_tup, devices, strict=True):
         slot = slots.get(device, 0)
         slots[device] = slot + 1
-        autocast = states.get(device.type) if n > 1 else []  # one: the caller's thread
+        kind = device_type(device)
+        autocast = states.get(kind) if n > 1 else []  # one: the caller's thread
         if autocast is None:
-            autocast = states[device.type] = []
-            for device_type in dict.fromkeys([device.type, "cpu"]):
-                enabled, dtype = _autocast_state(device_type)
+            autocast = states[kind] = []
+            for each in dict.fromkeys([kind, "cpu"]):
+                enabled, dtype = _autocast_state(each)
                 if enabled:  # only what a worker must replay
-                    autocast.append((device_type, dtype))
+                    autocast.append((each, dtype))
         stream = side = None
-        if device.type == "cuda":
+        if kind == "cuda":
             stream = torch.cuda.current_stream(device)
             if slot > 0 and n > 1:
                 side = _side_stream(device, slot)
@@ -509,7 +510,7 @@ def apply_replicas(
 def _shared_generator(devices: Sequence[torch.device]) -> bool:
     """Whether two replicas draw from one random generator: every CPU replica shares the one
     CPU generator, replicas on one GPU (``[0, 0]``) share that GPU's."""
-    keys = ["cpu" if d.type == "cpu" else str(d) for d in devices]
+    keys = ["cpu" if device_type(d) == "cpu" else str(d) for d in devices]
     return len(set(keys)) < len(keys)
 
 

@@ -218,13 +218,19 @@ class DataParallel(nn.DataParallel):
     def last_call(self) -> CallStats | None:
         """The load of this thread's last call through this wrapper (``None`` before one)."""
         calls = self.__dict__.get("_calls")
-        return None if calls is None else getattr(calls, "last", None)
+        if calls is None:
+            return None
+        last = getattr(calls, "last", None)
+        if type(last) is _Load:  # a call records its load; the stats are made when read
+            names = [str(d) for d in last.devices]
+            last = calls.last = CallStats(names, last.chunk_sizes, last.timers, last.waves)
+        return last
 
     @last_call.setter
     def last_call(self, value: CallStats | None) -> None:
         self._record(value)
 
-    def _record(self, value: CallStats | None) -> None:
+    def _record(self, value: CallStats | _Load | None) -> None:
         # Called on every forward: straight to the thread-local, past nn.Module.__setattr__.
         calls = self.__dict__.get("_calls")
         if calls is None:
@@ -327,6 +333,18 @@ class DataParallel(nn.DataParallel):
     ) -> Any:
         steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
+        slices = plan.slices
+        if (
+            len(slices) == 1
+            and len(slices[0]) == 1
+            and slices[0][0][0] == self.src_device_obj
+            and method is None
+            and not steps.scatter
+            and self.scalar_weights is None
+            and self.__dict__.get("compile_options") is None
+            and COUNT_KEYWORD not in kwargs
+        ):
+            return self._one_chunk(plan, steps)
         outputs: list[Any] = []
         devices: list[torch.device] = []
         sizes: list[int] = []
@@ -358,7 +376,7 @@ class DataParallel(nn.DataParallel):
             chunk_args += args
             chunk_kws += kws
             chunk_replicas += replicas
-        self._record(CallStats([str(d) for d in devices], sizes, timers, len(plan.slices)))
+        self._record(_Load(devices, sizes, timers, len(plan.slices)))
         origins = (
             Origins(
                 chunk_replicas,
@@ -370,6 +388,19 @@ class DataParallel(nn.DataParallel):
             else None
         )
         return self._gather_all(outputs, devices, sizes, weights, steps, method, origins)
+
+    def _one_chunk(self, plan: Plan, steps: _Overrides) -> Any:
+        """A call planned as one chunk on the module's own device (every one-device call):
+        ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
+        the caller's thread; nothing is replicated, no count is shared, no weight is read."""
+        device, start, length = plan.slices[0][0]
+        args, kws = take(plan, start, length, device)
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
+        timers: list[Any] = []
+        outputs = apply_replicas((module,), (args,), (kws,), (device,), timers)
+        devices, sizes = [device], [length]
+        self._record(_Load(devices, sizes, timers, 1))
+        return self._gather_all(outputs, devices, sizes, [], steps)
 
     def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
         """Whether this call's chunks each get their share of ``num_items_in_batch``."""
@@ -587,6 +618,16 @@ class DataParallel(nn.DataParallel):
 
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
+
+
+class _Load(NamedTuple):
+    """What a call records for ``last_call``: ``CallStats`` is made from it only when read
+    (naming the devices costs more than the rest of the record, on every call)."""
+
+    devices: list[torch.device]
+    chunk_sizes: list[int]
+    timers: list[Any]
+    waves: int
 
 
 class _Overrides(NamedTuple):
