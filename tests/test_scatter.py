@@ -183,3 +183,32 @@ def test_an_iterator_shared_by_several_chunks_is_an_error() -> None:
 def test_bad_call_options(kwargs: dict[str, object], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         dp.scatter((torch.zeros(4, 2),), CPU2, **kwargs)  # type: ignore[arg-type]
+
+
+class _NoIndexing(torch.Tensor):
+    """A tensor subclass whose indexing means something else: scatter must not index it."""
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        raise AssertionError("scatter indexed a tensor subclass")
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_chunks_are_views_that_carry_gradients_back(dim: int) -> None:
+    x = torch.randn(6, 6, requires_grad=True)
+    chunks = dp.scatter(x, ["cpu", "cpu", "cpu"], dim=dim)
+    for i, c in enumerate(chunks):
+        assert c._base is x and torch.equal(c, x.narrow(dim, 2 * i, 2))
+    sum((c * (i + 1)).sum() for i, c in enumerate(chunks)).backward()
+    expected = torch.arange(1.0, 4.0).repeat_interleave(2)
+    assert x.grad is not None
+    torch.testing.assert_close(
+        x.grad, expected.view(-1, 1).expand(6, 6) if dim == 0 else expected.expand(6, 6)
+    )
+
+
+def test_a_tensor_subclass_is_cut_with_narrow_not_indexing() -> None:
+    x = torch.arange(12.0).view(6, 2).as_subclass(_NoIndexing)
+    chunks = dp.scatter(x, ["cpu", "cpu"])
+    assert [type(c) for c in chunks] == [_NoIndexing, _NoIndexing]
+    assert [c.shape[0] for c in chunks] == [3, 3]
+    assert torch.equal(chunks[1].as_subclass(torch.Tensor), torch.arange(6.0, 12.0).view(3, 2))

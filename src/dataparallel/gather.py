@@ -289,13 +289,21 @@ def _concat_batched(
     """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor
     whose size along ``dim`` is its chunk's (rule 1: concatenated on ``target``), for arguments
     already checked; ``None`` when another rule may apply (the caller then calls ``gather``)."""
+    moves = False
     for v, size in zip(outputs, sizes, strict=True):
-        if type(v) is not torch.Tensor or not (-v.ndim <= dim < v.ndim and v.shape[dim] == size):
+        if type(v) is not torch.Tensor:
             return None
-        if dim == 0 and v.ndim == 3 and v.shape[1] == size:
+        shape = v.shape  # (read once: each read builds a torch.Size)
+        ndim = len(shape)
+        if not (-ndim <= dim < ndim and shape[dim] == size):
+            return None
+        if dim == 0 and ndim == 3 and shape[1] == size:
             return None  # an RNN state's shape too: gather's rule decides
+        moves = moves or v.device != target
     try:
-        return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
+        if moves:
+            return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
+        return torch.cat(cast(list[torch.Tensor], outputs), dim)
     except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
         return None
 

@@ -75,7 +75,8 @@ THREAD_PREFIX = "dataparallel-"
 
 _local = threading.local()  # .in_worker: set in pool threads (nested calls run inline)
 _pool_lock = threading.Lock()
-_workers: dict[tuple[str, int], _Worker] = {}
+# keyed by (device, slot): "cpu" and "cpu:1" are two devices, as their names are
+_workers: dict[tuple[torch.device, int], _Worker] = {}
 _side_streams: dict[tuple[str, int], Any] = {}
 _pool_pid = os.getpid()
 
@@ -214,7 +215,7 @@ class _Worker:
 
 def _worker(device: torch.device, slot: int) -> _Worker:
     global _pool_pid
-    key = (str(device), slot)
+    key = (device, slot)  # (not its name: str(device) costs more than the rest of the lookup)
     worker = _workers.get(key)
     if worker is not None and _pool_pid == os.getpid():
         return worker
@@ -225,7 +226,7 @@ def _worker(device: torch.device, slot: int) -> _Worker:
             _pool_pid = os.getpid()
         worker = _workers.get(key)
         if worker is None:
-            worker = _workers[key] = _Worker(f"{THREAD_PREFIX}{key[0]}-{slot}")
+            worker = _workers[key] = _Worker(f"{THREAD_PREFIX}{device}-{slot}")
         return worker
 
 
