@@ -312,6 +312,8 @@ class Replicas:
         one fused copy: BatchNorm updates running statistics without bumping ``_version``, so
         no cheap test can tell that either side changed.
         """
+        if not self.buffers:  # no buffer, no copy (a buffer added later is a new structure)
+            return
         mode = _mode()
         inference = mode == "inference"
         ready = self.ready
