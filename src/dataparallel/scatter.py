@@ -29,7 +29,8 @@ from dataparallel._tree import (
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
-from dataparallel.plan import build_plan, check_options
+from dataparallel.plan import check_options
+from dataparallel.plan._cache import CallPlans
 from dataparallel.plan._program import (
     BroadcastCut,
     Cut,
@@ -48,6 +49,9 @@ _CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 
 
 _MOVERS: dict[tuple[torch.device, torch.dtype | None], Any] = {}
+# The plans of ``scatter`` and ``scatter_kwargs``: a loop that scatters batches of one signature
+# plans them once (a kept plan holds none of a call's values).
+_PLANS = CallPlans()
 
 
 def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -228,7 +232,7 @@ def scatter(
     [4, 3, 3]
     """
     check_options(opts)
-    p = build_plan(inputs, None, resolve_devices(devices), dim, allow_waves=False, **opts)
+    p = _PLANS.get(inputs, None, resolve_devices(devices), dim, opts)
     emit_warnings(p)
     return [take(p, start, length, device)[0] for device, start, length in _one_round(p)]
 
@@ -247,7 +251,7 @@ def scatter_kwargs(
     """
     check_options(opts)
     args = inputs if type(inputs) is tuple else (inputs,)
-    p = build_plan(args, kwargs, resolve_devices(devices), dim, allow_waves=False, **opts)
+    p = _PLANS.get(args, kwargs, resolve_devices(devices), dim, opts)
     emit_warnings(p)
     chunks = [take(p, start, length, device) for device, start, length in _one_round(p)]
     return tuple(a for a, _ in chunks), tuple(k for _, k in chunks)
