@@ -299,6 +299,12 @@ def _concat_batched(
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
     """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
+    cls = type(obj)
+    first = obj[0] if (cls is tuple or cls is list) and obj else obj
+    if type(first) is torch.Tensor and -first.ndim <= dim < first.ndim:
+        # The common output, a plain tensor or a plain tuple or list that starts with one:
+        # that tensor is the first leaf, as the walk below would find.
+        return int(first.shape[dim])
     for leaf in leaves(obj):
         kind = kind_of(leaf)
         if kind in (TENSOR, ARRAY) and -leaf.ndim <= dim < leaf.ndim:
@@ -332,7 +338,11 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return gather_scalars(values, path, ctx)
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
-        values = [v.to(ctx.target) for v in values]
+        target = ctx.target
+        # A plain tensor already on the target is what ``.to`` would return: itself.
+        values = [
+            v if type(v) is torch.Tensor and v.device == target else v.to(target) for v in values
+        ]
     if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
@@ -362,10 +372,11 @@ def _batched(values: list[Any], ctx: _Ctx) -> bool:
     if ctx.sizes is None:
         return False
     dim = ctx.dim
-    return all(
-        -v.ndim <= dim < v.ndim and v.shape[dim] == size
-        for v, size in zip(values, ctx.sizes, strict=True)
-    )
+    for v, size in zip(values, ctx.sizes, strict=True):  # a loop: no generator to start
+        ndim = v.ndim
+        if not (-ndim <= dim < ndim and v.shape[dim] == size):
+            return False
+    return True
 
 
 def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
