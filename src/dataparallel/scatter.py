@@ -148,6 +148,8 @@ def _per_sample(
 ) -> Any:
     """A sequence's items ``[start, start + length)``, with the tensors among them moved."""
     items = obj[start : start + length]
+    # A plain list's slice is a new plain list already: kept as it is, not copied and rebuilt.
+    plain = type(obj) is list
     holds = step.holds_arrays
     try:
         if holds is None:  # the item types did not say: look at this chunk's items
@@ -161,7 +163,8 @@ def _per_sample(
             if here == _CPU and set(map(type, items)) == {tensor} and all(map(_IS_CPU, items)):
                 # Every item an exact tensor on the CPU (whose tensors all report
                 # device(type='cpu'), never an index), so each is kept, as the line below does.
-                items = list(items)
+                if not plain:
+                    items = list(items)
             elif here is not None:
                 items = [
                     x
@@ -175,11 +178,14 @@ def _per_sample(
                     for x in items
                 ]
         elif set(map(type, items)) <= ATOMS:  # names, ids, numbers: no marker to unwrap
-            items = list(items)
+            if not plain:
+                items = list(items)
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
     except TooDeep:  # a cycle inside an item: the plan did not walk it
         raise TooDeep(step.path) from None
+    if plain:
+        return items
     if isinstance(obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
         return tuple(items)
     return rebuild(LIST, obj, [], items)
