@@ -64,6 +64,7 @@ from dataparallel._tree import (
     Kind,
     TooDeep,
     fields_of,
+    item_types,
     kind_of,
     leaves,
     rebuild_mapping,
@@ -466,7 +467,7 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
         return None
     found: list[set[type]] = []
     for value, size in zip(values, sizes, strict=True):
-        types = set(map(type, value))
+        types = item_types(value)
         found.append(types)
         if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
@@ -506,7 +507,7 @@ def _concat_lists(
     target = ctx.target
     items: list[Any] = []
     for i, value in enumerate(values):
-        types = set(map(type, value)) if types_of is None else types_of[i]
+        types = item_types(value) if types_of is None else types_of[i]
         if types <= ATOMS:
             items.extend(value)  # nothing to move
         elif types == {torch.Tensor} and target == _CPU and all(map(_IS_CPU, value)):

@@ -22,6 +22,7 @@ from dataparallel._tree import (
     LIST,
     TooDeep,
     contains_array,
+    item_types,
     map_tensors,
     rebuild,
     struct_items,
@@ -160,7 +161,7 @@ def _per_sample(
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
             target = fn.target
-            if here == _CPU and set(map(type, items)) == {tensor} and all(map(_IS_CPU, items)):
+            if here == _CPU and item_types(items) == {tensor} and all(map(_IS_CPU, items)):
                 # Every item an exact tensor on the CPU (whose tensors all report
                 # device(type='cpu'), never an index), so each is kept, as the line below does.
                 if not plain:
@@ -177,7 +178,7 @@ def _per_sample(
                     fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
                     for x in items
                 ]
-        elif set(map(type, items)) <= ATOMS:  # names, ids, numbers: no marker to unwrap
+        elif item_types(items) <= ATOMS:  # names, ids, numbers: no marker to unwrap
             if not plain:
                 items = list(items)
         else:

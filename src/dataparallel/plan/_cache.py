@@ -38,6 +38,7 @@ from dataparallel._tree import (
     MAX_DEPTH,
     container_kind,
     contains_array,
+    item_types,
     struct_items,
 )
 from dataparallel.markers import Shared, Split
@@ -182,7 +183,7 @@ class _Walker:
         parts.append(len(obj))
         if not obj:
             return
-        types = set(map(type, obj))  # read once for the three questions below
+        types = item_types(obj)  # read once for the three questions below
         kind = list_kind(obj, self.dim, types)
         parts.append(kind)
         if kind == "structure":
