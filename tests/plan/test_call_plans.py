@@ -5,6 +5,7 @@ a changed signature is planned afresh, and the cache keeps no value of a call al
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib
 import threading
@@ -281,3 +282,15 @@ def test_concurrent_calls_each_get_their_own_chunks(plans: CallPlans) -> None:
         t.join()
     assert errors == []
     assert len(plans.plans) <= _MAX_PLANS
+
+
+def test_the_callers_option_lists_are_neither_kept_nor_trusted(plans: CallPlans) -> None:
+    x = torch.randn(4, 2)
+    sizes = [3, 1]
+    assert [c.shape[0] for c in dp.scatter(x, CPU2, chunk_sizes=sizes)] == [3, 1]
+    kept = plans.plans[0][1].remake
+    assert isinstance(kept, functools.partial)
+    assert kept.keywords["chunk_sizes"] == [3, 1] and kept.keywords["chunk_sizes"] is not sizes
+    sizes[:] = [1, 3]  # the same list, new values: another key
+    assert [c.shape[0] for c in dp.scatter(x, CPU2, chunk_sizes=sizes)] == [1, 3]
+    assert len(plans.plans) == 2

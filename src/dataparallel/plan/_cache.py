@@ -409,6 +409,12 @@ class CallPlans:
                     return template.bind(inputs, {} if kwargs is None else kwargs)
         plan = build_plan(inputs, kwargs, devices, dim, allow_waves=False, **options)
         if key is not None:
-            remake = partial(build_plan, devices=devices, dim=dim, allow_waves=False, **options)
+            # copies of the option lists (chunk_sizes, weights): the caller's stay theirs
+            kept_options: dict[str, Any] = {
+                k: list(v) if type(v) is list else v for k, v in options.items()
+            }
+            remake = partial(
+                build_plan, devices=devices, dim=dim, allow_waves=False, **kept_options
+            )
             self.plans = [(key, plan.template(remake)), *self.plans[: _MAX_PLANS - 1]]
         return plan
