@@ -89,3 +89,29 @@ def test_gather_nested_tensors_fail_as_before() -> None:
         nested = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)])
     with pytest.raises(RuntimeError, match="NestedTensorImpl"):
         dp.gather([[nested, nested], [nested, nested]], "cpu", chunk_sizes=[2, 2])
+
+
+class Names(list):  # type: ignore[type-arg]
+    """A list subclass with an attribute: its chunks keep both."""
+
+    tag = "names"
+
+
+def test_scatter_per_sample_chunks_are_new_lists_of_the_inputs_type() -> None:
+    items, names = boxes(6), [f"s{i}" for i in range(6)]
+    tagged = Names(names)
+    tagged.tag = "mine"
+    for whole in (True, False):  # one device (the whole list) and two
+        devices = ["cpu"] if whole else ["cpu", "cpu"]
+        chunks = dp.scatter((items, names, tagged), devices)
+        for (got_items, got_names, got_tagged), (s, e) in zip(
+            chunks, [(0, 6)] if whole else [(0, 3), (3, 6)], strict=True
+        ):
+            assert type(got_items) is list and got_items is not items
+            assert all(a is b for a, b in zip(got_items, items[s:e], strict=True))
+            assert type(got_names) is list and got_names is not names
+            assert got_names == names[s:e]
+            assert type(got_tagged) is Names and got_tagged.tag == "mine"
+            assert got_tagged == names[s:e]
+        chunks[0][1].append("new")  # a chunk is the caller's own list: the input is untouched
+        assert names == [f"s{i}" for i in range(6)]

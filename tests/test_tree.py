@@ -33,6 +33,7 @@ from dataparallel._tree import (
     contains_array,
     describe,
     flatten,
+    item_types,
     kind_of,
     leaves,
     map_leaves,
@@ -276,3 +277,22 @@ def test_describe_short_and_nested() -> None:
         "list[int, int, int, int, int, int, ... 8 items]"
     )
     assert describe(["x" * 10] * 100, nested=True, budget=20).endswith("...")
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [],
+        ["a", "b", "c"],
+        [torch.zeros(1), torch.zeros(2, 3)],
+        [torch.zeros(1), torch.nn.Parameter(torch.zeros(1))],  # a subclass is another type
+        [1, True, 1.0, None, "x"],  # equal values of other types: still three types
+        ["a", 1, "b"],  # a mix after the first item
+        [1, "a", "b"],  # the first item's type appears once
+        (np.zeros(2), np.float64(1.0), Shared(1), Split([1])),
+    ],
+)
+def test_item_types_is_the_set_of_the_items_types(items: Any) -> None:
+    got = item_types(items)
+    assert got == set(map(type, items)) and type(got) is set
+    assert item_types(iter(items)) == got  # any iterable, read once

@@ -64,6 +64,7 @@ from dataparallel._tree import (
     Kind,
     TooDeep,
     fields_of,
+    item_types,
     kind_of,
     leaves,
     rebuild_mapping,
@@ -310,6 +311,12 @@ def _concat_batched(
 
 def first_batch_size(obj: Any, dim: int) -> int | None:
     """The size along ``dim`` of the first tensor or ndarray that has one, depth first."""
+    cls = type(obj)
+    first = obj[0] if (cls is tuple or cls is list) and obj else obj
+    if type(first) is torch.Tensor and -first.ndim <= dim < first.ndim:
+        # The common output, a plain tensor or a plain tuple or list that starts with one:
+        # that tensor is the first leaf, as the walk below would find.
+        return int(first.shape[dim])
     for leaf in leaves(obj):
         kind = kind_of(leaf)
         if kind in (TENSOR, ARRAY) and -leaf.ndim <= dim < leaf.ndim:
@@ -343,7 +350,11 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return gather_scalars(values, path, ctx)
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
-        values = [v.to(ctx.target) for v in values]
+        target = ctx.target
+        # A plain tensor already on the target is what ``.to`` would return: itself.
+        values = [
+            v if type(v) is torch.Tensor and v.device == target else v.to(target) for v in values
+        ]
     if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
@@ -373,10 +384,11 @@ def _batched(values: list[Any], ctx: _Ctx) -> bool:
     if ctx.sizes is None:
         return False
     dim = ctx.dim
-    return all(
-        -v.ndim <= dim < v.ndim and v.shape[dim] == size
-        for v, size in zip(values, ctx.sizes, strict=True)
-    )
+    for v, size in zip(values, ctx.sizes, strict=True):  # a loop: no generator to start
+        ndim = v.ndim
+        if not (-ndim <= dim < ndim and v.shape[dim] == size):
+            return False
+    return True
 
 
 def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
@@ -466,7 +478,7 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
         return None
     found: list[set[type]] = []
     for value, size in zip(values, sizes, strict=True):
-        types = set(map(type, value))
+        types = item_types(value)
         found.append(types)
         if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
@@ -506,7 +518,7 @@ def _concat_lists(
     target = ctx.target
     items: list[Any] = []
     for i, value in enumerate(values):
-        types = set(map(type, value)) if types_of is None else types_of[i]
+        types = item_types(value) if types_of is None else types_of[i]
         if types <= ATOMS:
             items.extend(value)  # nothing to move
         elif types == {torch.Tensor} and target == _CPU and all(map(_IS_CPU, value)):

@@ -22,6 +22,7 @@ from dataparallel._tree import (
     LIST,
     TooDeep,
     contains_array,
+    item_types,
     map_tensors,
     rebuild,
     struct_items,
@@ -29,7 +30,8 @@ from dataparallel._tree import (
 from dataparallel._warn import warn_user
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
-from dataparallel.plan import build_plan, check_options
+from dataparallel.plan import check_options
+from dataparallel.plan._cache import CallPlans
 from dataparallel.plan._program import (
     BroadcastCut,
     Cut,
@@ -48,6 +50,9 @@ _CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 
 
 _MOVERS: dict[tuple[torch.device, torch.dtype | None], Any] = {}
+# The plans of ``scatter`` and ``scatter_kwargs``: a loop that scatters batches of one signature
+# plans them once (a kept plan holds none of a call's values).
+_PLANS = CallPlans()
 
 
 def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -150,6 +155,8 @@ def _per_sample(
 ) -> Any:
     """A sequence's items ``[start, start + length)``, with the tensors among them moved."""
     items = obj[start : start + length]
+    # A plain list's slice is a new plain list already: kept as it is, not copied and rebuilt.
+    plain = type(obj) is list
     holds = step.holds_arrays
     try:
         if holds is None:  # the item types did not say: look at this chunk's items
@@ -160,10 +167,11 @@ def _per_sample(
             # An exact tensor is moved directly (or kept, when it is already on the device and
             # nothing is cast): what map_tensors would do, minus its walk.
             target = fn.target
-            if here == _CPU and set(map(type, items)) == {tensor} and all(map(_IS_CPU, items)):
+            if here == _CPU and item_types(items) == {tensor} and all(map(_IS_CPU, items)):
                 # Every item an exact tensor on the CPU (whose tensors all report
                 # device(type='cpu'), never an index), so each is kept, as the line below does.
-                items = list(items)
+                if not plain:
+                    items = list(items)
             elif here is not None:
                 items = [
                     x
@@ -176,12 +184,15 @@ def _per_sample(
                     fn(x) if type(x) is tensor else move_item(x, fn, move_plain, target)
                     for x in items
                 ]
-        elif set(map(type, items)) <= ATOMS:  # names, ids, numbers: no marker to unwrap
-            items = list(items)
+        elif item_types(items) <= ATOMS:  # names, ids, numbers: no marker to unwrap
+            if not plain:
+                items = list(items)
         else:
             items = [item.obj if isinstance(item, (Shared, Split)) else item for item in items]
     except TooDeep:  # a cycle inside an item: the plan did not walk it
         raise TooDeep(step.path) from None
+    if plain:
+        return items
     if isinstance(obj, tuple):  # a dp.Split tuple (a namedtuple's chunk is a tuple)
         return tuple(items)
     return rebuild(LIST, obj, [], items)
@@ -234,7 +245,7 @@ def scatter(
     [4, 3, 3]
     """
     check_options(opts)
-    p = build_plan(inputs, None, resolve_devices(devices), dim, allow_waves=False, **opts)
+    p = _PLANS.get(inputs, None, resolve_devices(devices), dim, opts)
     emit_warnings(p)
     return [take(p, start, length, device)[0] for device, start, length in _one_round(p)]
 
@@ -253,7 +264,7 @@ def scatter_kwargs(
     """
     check_options(opts)
     args = inputs if type(inputs) is tuple else (inputs,)
-    p = build_plan(args, kwargs, resolve_devices(devices), dim, allow_waves=False, **opts)
+    p = _PLANS.get(args, kwargs, resolve_devices(devices), dim, opts)
     emit_warnings(p)
     chunks = [take(p, start, length, device) for device, start, length in _one_round(p)]
     return tuple(a for a, _ in chunks), tuple(k for _, k in chunks)

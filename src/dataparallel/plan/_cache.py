@@ -13,11 +13,15 @@ tensors: a dict of 100 tensors is one walk and one comparison.
 A plan of one chunk whose program gives back the call's own arguments (the whole batch, every
 tensor already on the device, no cast) has its program marked ``identity``: the one-device call
 moves nothing, through the same ``take`` as every other call.
+
+``CallPlans`` does the same for the functional ``dp.scatter`` and ``dp.scatter_kwargs`` (one
+cache for the process), keeping only keys that hold no user object: classes, strings, exact ints,
+shapes, layouts, dtypes and devices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from operator import attrgetter
 from typing import Any
@@ -34,14 +38,14 @@ from dataparallel._tree import (
     MAX_DEPTH,
     container_kind,
     contains_array,
+    item_types,
     struct_items,
 )
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._program import Plan
 from dataparallel.plan._rules import build_plan, holds_arrays, list_kind
-from dataparallel.scatter import take
 
-__all__ = ["PlanCache", "call_key"]
+__all__ = ["CallPlans", "PlanCache", "call_key"]
 
 _MAX_PLANS = 8  # a training and an evaluation call, a last smaller batch: a few signatures
 _Tensor = torch.Tensor
@@ -179,7 +183,7 @@ class _Walker:
         parts.append(len(obj))
         if not obj:
             return
-        types = set(map(type, obj))  # read once for the three questions below
+        types = item_types(obj)  # read once for the three questions below
         kind = list_kind(obj, self.dim, types)
         parts.append(kind)
         if kind == "structure":
@@ -270,6 +274,9 @@ def _moves_nothing(plan: Plan) -> bool:
     device, start, length = plan.slices[0][0]
     if start != 0 or length != plan.batch_size or type(plan.inputs) is not tuple:
         return False
+    # Imported here: dataparallel.scatter imports this module (for CallPlans).
+    from dataparallel.scatter import take
+
     args, kw = take(plan, start, length, device)
     kwargs = plan.kwargs or {}
     return (
@@ -278,3 +285,136 @@ def _moves_nothing(plan: Plan) -> bool:
         and kw.keys() == kwargs.keys()
         and all(kw[k] is kwargs[k] for k in kw)
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# The functional API's plans: one cache for the process, so its keys must hold no user object.
+
+# The exact types a kept key may hold besides classes and ``call_key``'s own markers: none keeps
+# a user's value alive, and none compares equal to a value of another of them (``True == 1 ==
+# 1.0``, but ``{True: x}`` and ``{1: x}`` plan under different paths: bools and floats make a
+# call uncacheable instead).
+_INERT = frozenset((type(None), str, int, frozenset, torch.Size, torch.layout, torch.dtype))
+_MARKERS = (_KWARGS, _NESTED)
+# Option values kept as they are: their type is part of the key (``batch_size=True`` is refused
+# where ``batch_size=1`` is not).
+_OPTION_SCALARS = (type(None), bool, int, torch.dtype)
+_REBUILT: dict[type, bool] = {}  # per class: a Mapping that is not a dict (see _inert)
+_MAX_CLASSES = 4096
+
+
+def _rebuilt_mapping(cls: type) -> bool:
+    """Whether ``cls`` is a ``Mapping`` but not a ``dict`` (answered once per class)."""
+    found = _REBUILT.get(cls)
+    if found is None:
+        if len(_REBUILT) >= _MAX_CLASSES:
+            _REBUILT.clear()
+        found = _REBUILT[cls] = issubclass(cls, Mapping) and not issubclass(cls, dict)
+    return found
+
+
+def _inert(parts: tuple[Any, ...]) -> bool:
+    """Whether a call's key holds only classes, ``call_key``'s markers and ``_INERT`` values
+    (strings, exact ints, shapes, layouts, dtypes and the sets ``call_key`` makes of types and
+    layouts), in nested tuples.
+
+    A class that is a ``Mapping`` but not a ``dict`` makes the call uncacheable too: the rules
+    rebuild such a mapping from its values once, to name a class that cannot be rebuilt, and a
+    reused plan would skip that.
+    """
+    for part in parts:
+        cls = type(part)
+        if cls is tuple:
+            if not _inert(part):
+                return False
+        elif isinstance(part, type):
+            if _rebuilt_mapping(part):
+                return False
+        elif cls is object:
+            if part not in _MARKERS:  # identity first: a marker is found without __eq__
+                return False
+        elif cls not in _INERT:
+            return False
+    return True
+
+
+def _option_key(options: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The options as a tuple that tells every value apart (``1``, ``1.0`` and ``True``; ``-0.0``
+    and ``0.0`` by their ``repr``), or ``None`` for a value of any other kind (not cached)."""
+    out: list[Any] = []
+    for name, value in options.items():
+        cls = type(value)
+        if cls in _OPTION_SCALARS:
+            out.append((name, cls, value))
+        elif cls is float:
+            out.append((name, cls, repr(value)))
+        elif (cls is list or cls is tuple) and all(type(x) in (int, float) for x in value):
+            out.append((name, cls, tuple(map(repr, value))))  # repr tells 1 from 1.0
+        else:
+            return None
+    return tuple(out)
+
+
+def _functional_key(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devices: Sequence[torch.device],
+    dim: Any,
+    options: Mapping[str, Any],
+) -> tuple[Any, ...] | None:
+    """The key of a functional call, or ``None`` when it is planned afresh (not cached)."""
+    if type(dim) is not int or not (kwargs is None or type(kwargs) is dict):
+        return None
+    frozen = _option_key(options)
+    if frozen is None:
+        return None
+    is_tuple = type(inputs) is tuple
+    signature = call_key(inputs if is_tuple else (inputs,), kwargs or {}, dim, False)
+    if signature is None or not _inert(signature):
+        return None
+    return (signature, is_tuple, frozen, dim, *devices)
+
+
+class CallPlans:
+    """The plans of the functional ``scatter`` and ``scatter_kwargs``, newest first, each kept
+    as a template with the key it was built for (at most ``_MAX_PLANS``).
+
+    A training loop that calls ``dp.scatter`` on every step plans each batch of one signature
+    once. What is kept holds no user value (``_inert``), so one instance can serve the process.
+    A call whose key is not inert, or that raises while it is planned, is never kept: a kept
+    plan was built without error for the same signature, and gives the same chunks and
+    warnings. Safe under concurrent calls: the list is replaced whole, and a hit makes a new
+    ``Plan`` (nothing kept is changed); two concurrent misses may keep only one of their plans.
+    """
+
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: list[tuple[tuple[Any, ...], Plan]] = []
+
+    def get(
+        self,
+        inputs: Any,
+        kwargs: Mapping[str, Any] | None,
+        devices: list[torch.device],
+        dim: int,
+        options: Mapping[str, Any],
+    ) -> Plan:
+        """The plan ``build_plan(inputs, kwargs, devices, dim, allow_waves=False, **options)``
+        would make."""
+        key = _functional_key(inputs, kwargs, devices, dim, options)
+        if key is not None:
+            for kept, template in self.plans:
+                if kept == key:
+                    return template.bind(inputs, {} if kwargs is None else kwargs)
+        plan = build_plan(inputs, kwargs, devices, dim, allow_waves=False, **options)
+        if key is not None:
+            # copies of the option lists (chunk_sizes, weights): the caller's stay theirs
+            kept_options: dict[str, Any] = {
+                k: list(v) if type(v) is list else v for k, v in options.items()
+            }
+            remake = partial(
+                build_plan, devices=devices, dim=dim, allow_waves=False, **kept_options
+            )
+            self.plans = [(key, plan.template(remake)), *self.plans[: _MAX_PLANS - 1]]
+        return plan

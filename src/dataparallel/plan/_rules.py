@@ -34,6 +34,7 @@ from dataparallel._tree import (
     container_kind,
     contains_array,
     describe,
+    item_types,
     path_key,
     struct_items,
 )
@@ -129,7 +130,7 @@ def list_kind(obj: list[Any], dim: int, types: set[type] | None = None) -> str:
     # The kind of an item depends only on its type: one type, one kind (the common case,
     # checked at C speed); only a mix of types needs the item-by-item test.
     if types is None:
-        types = set(map(type, obj))
+        types = item_types(obj)
     if isinstance(first, torch.Tensor):
         if len(types) > 1 and not all(isinstance(x, torch.Tensor) for x in obj):
             return "structure"
@@ -186,7 +187,7 @@ class _Collector:
             self.votes.append(Vote(path, info.size, "sequences of a PackedSequence"))
             return info
         if isinstance(obj, list) and obj:
-            types = set(map(type, obj))
+            types = item_types(obj)
             kind = list_kind(obj, dim, types)
             if kind == "tensorlist":
                 info = _Info("tensorlist", obj, path)
@@ -435,7 +436,7 @@ def holds_arrays(items: Any, types: set[type] | None = None) -> bool | None:
     whose items have the same types. ``types``: the set of the items' types, when the caller
     has it."""
     if types is None:
-        types = set(map(type, items))
+        types = item_types(items)
     if types <= ATOMS:
         return False
     if all(issubclass(t, (torch.Tensor, np.ndarray)) for t in types):
