@@ -35,9 +35,9 @@ from dataparallel.devices import resolve_devices
 from dataparallel.gather import gather
 from dataparallel.markers import Shared
 from dataparallel.plan import build_plan, plan
-from dataparallel.plan._cache import PlanCache
 from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter
+from dataparallel.scatter._plans import PlanCache
 from dataparallel.wrapper import DataParallel
 
 __all__ = [

@@ -19,14 +19,13 @@ from dataparallel.distributed import (
     init_distributed,
     shard,
 )
-from dataparallel.functional import data_parallel
 from dataparallel.gather import gather
 from dataparallel.markers import Shared, Split
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Entry, Plan, Vote, plan
 from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter, scatter_kwargs
-from dataparallel.wrapper import CallStats, DataParallel, DeviceOutputs
+from dataparallel.wrapper import CallStats, DataParallel, DeviceOutputs, data_parallel
 
 __version__ = "0.1.0"
 

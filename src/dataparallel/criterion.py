@@ -15,14 +15,14 @@ from typing import Any
 
 from torch import nn
 
-from dataparallel._losses import SumAndCount, combine, is_exact_mean
-from dataparallel._results import DeviceOutputs
 from dataparallel.devices import DeviceSpec, resolve_devices, target_device
 from dataparallel.gather import ScalarMode, check_scalars, gather
+from dataparallel.gather._losses import SumAndCount, combine, is_exact_mean
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import build_plan
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
+from dataparallel.wrapper._results import DeviceOutputs
 
 __all__ = ["DataParallelCriterion"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from dataparallel._tree import ATOMS, container_kind, describe, struct_items
+from dataparallel._common.tree import ATOMS, container_kind, describe, struct_items
 from dataparallel.markers import Shared, Split
 
 

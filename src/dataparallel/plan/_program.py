@@ -137,7 +137,7 @@ class PackedCut(Cut):
 
 
 class Rebuild(Step):
-    """A container taken apart (its ``kind`` of ``dataparallel._tree``) and rebuilt, with its
+    """A container taken apart (its ``kind`` of ``dataparallel._common.tree``) and rebuilt, with its
     own type and attributes, from its children's results."""
 
     __slots__ = ("children", "kind")

@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel._checks import (
+from dataparallel._common.checks import (
     check_batch_size_used,
     check_layout,
     check_mapping,
     dim_out_of_range,
     too_deep,
 )
-from dataparallel._movable import has_to
-from dataparallel._packed import is_packed, sequence_count
-from dataparallel._tree import (
+from dataparallel._common.movable import has_to
+from dataparallel._common.packed import is_packed, sequence_count
+from dataparallel._common.tree import (
     ATOMS,
     LIST,
     MAPPING,

@@ -41,12 +41,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from dataparallel._checks import replicate_scripted
+from dataparallel._common.checks import replicate_scripted
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.replicate._check import Scripted, fingerprint, self_referencing
+from dataparallel.replicate._rebind import SERIAL
 from dataparallel.replicate._replicas import Replicas
 
-__all__ = ["ReplicaSets", "clear_replica_cache", "fresh_replicate", "replicate"]
+__all__ = [
+    "SERIAL",
+    "ReplicaSets",
+    "clear_replica_cache",
+    "fresh_replicate",
+    "replicate",
+]
 
 _Devices = tuple[torch.device, ...]
 

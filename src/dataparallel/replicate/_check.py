@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel._checks import check_initialized
+from dataparallel._common.checks import check_initialized
 
 __all__ = [
     "Scripted",

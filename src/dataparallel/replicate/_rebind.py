@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel._warn import warn_user
+from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import filled
 
 __all__ = [

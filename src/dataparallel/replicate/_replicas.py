@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel._warn import warn_user
+from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
 from dataparallel.replicate._rebind import SERIAL, Rebinding, rebind_state, replica_zero_grad

@@ -1,0 +1,17 @@
+"""The wrapper: ``DataParallel`` composes the pipeline (plan, scatter, replicate,
+parallel_apply, gather) through torch's overridable methods; ``data_parallel`` is its
+functional form.
+
+Beside the class (``_data_parallel``), one job each: options checked on assignment
+(``_options``), the device check (``_placement``), ``num_items_in_batch`` shares
+(``_partial_sums``), mmcv's step methods (``_steps``), ``last_call`` and ungathered outputs
+(``_results``), and the module's signature presented to introspection (``_signature``).
+"""
+
+from __future__ import annotations
+
+from dataparallel.wrapper._data_parallel import DataParallel
+from dataparallel.wrapper._functional import data_parallel
+from dataparallel.wrapper._results import CallStats, DeviceOutputs
+
+__all__ = ["CallStats", "DataParallel", "DeviceOutputs", "data_parallel"]

@@ -1,0 +1,658 @@
+"""``DataParallel``: the pipeline composed (``data_parallel``, its functional form, is in
+``dataparallel.wrapper._functional``).
+
+``DataParallel.forward`` reads as torch's: scatter, replicate, parallel_apply, gather, each an
+overridable method with torch's signature, so subclasses written for
+``torch.nn.DataParallel`` keep working. What differs is inside: the batch rules of
+``dataparallel.plan``, cached replicas, a persistent worker pool, waves under ``max_size``, and
+a gather that knows each replica's chunk size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch import nn
+
+from dataparallel._common.warn import warn_user
+from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
+from dataparallel.gather import (
+    check_scalars,
+    first_batch_size,
+    gather,
+    gather_outputs,
+)
+from dataparallel.gather._losses import ScalarWeights, chunk_weights
+from dataparallel.gather._origins import Origins
+from dataparallel.gather._output_rules import check_output_rules
+from dataparallel.parallel_apply import apply_replicas, parallel_apply, wait_for
+from dataparallel.parallel_apply._apply import _infer_device
+from dataparallel.parallel_apply._syncbn import batchnorm_note, sync_call
+from dataparallel.plan import Plan, build_plan
+from dataparallel.replicate import ReplicaSets
+from dataparallel.replicate._compiled import (
+    CompiledReplicas,
+    check_compile_option,
+    check_not_compiled,
+    warn_compiled_wrapper,
+)
+from dataparallel.scatter import take
+from dataparallel.scatter._plans import PlanCache
+from dataparallel.wrapper._options import (
+    CHECKED,
+    check_dim,
+    check_module,
+    check_plan_options,
+    check_scalar_weights,
+    plan_option,
+)
+from dataparallel.wrapper._partial_sums import (
+    COUNT_KEYWORD,
+    DEFAULT_SCALARS,
+    shared_counts,
+    shares_count,
+    summing_note,
+    weight_total,
+)
+from dataparallel.wrapper._placement import (
+    check_on_device,
+    copy_buffers_back,
+    sentinels_hold,
+    sentinels_of,
+)
+from dataparallel.wrapper._results import CallStats, DeviceOutputs
+from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel.wrapper._steps import StepCall, StepMethod, step_rules
+
+__all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
+
+# What a wrapper keeps for its calls, not as its state: a copy (deepcopy, pickle) or a replica
+# (a wrapper nested in a replicated module) starts without them and makes its own, so no two
+# objects ever share a lock or a set of replicas.
+_RUNTIME = (
+    "_calls",
+    "_lock",
+    "_replica_sets",
+    "_sentinels",
+    "_plans",
+    "_here",
+    "_compiled_replicas",
+    "_sync_layers",
+)
+
+
+class DataParallel(nn.DataParallel):
+    """Run ``module`` over several devices on one batch, split by the batch rules.
+
+    A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
+    ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` and
+    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
+    CPU device lists, splits per-sample lists, never drops samples, and reuses its replicas
+    between calls. torch's ``__init__`` is not run (it refuses CPU lists and repeated
+    devices); every attribute torch's methods read is set here.
+
+    Args:
+        module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
+        device_ids: device specs (``[0, 1]``, ``["cpu", "cpu"]``, ``[0, 0]``); ``None`` means
+            every visible CUDA device, else the CPU.
+        output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
+            ``device_ids[0]``.
+        dim: the batch dimension.
+        batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
+            ``dp.plan``; ``max_size`` runs a large batch in waves.
+        scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
+            ``"stack"``. Left at its default, a call that passes ``num_items_in_batch`` (as
+            transformers' Trainer does) gives each replica its share of that count, so a loss
+            that is a partial sum (a causal LM's) comes back as the sum of the replicas' parts
+            and a loss that ignores the count keeps its mean
+            (``dataparallel.wrapper._partial_sums``).
+        gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
+        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
+            arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
+            in place of its size: for a loss computed in ``forward`` as a mean over tokens,
+            return the chunk's count of labelled tokens and the gathered loss is the
+            one-device one. Ignored when ``gather`` is overridden.
+        output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
+            gather them, by the path gather's messages print: an int is the output's batch
+            dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
+            ``"sum"``, ``"mean"``, ``"stack"``, ``"all"`` or ``"any"`` (booleans), ``"same"``
+            (one copy) or ``"list"`` (one per replica). Ignored when ``gather`` is overridden.
+        compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
+            ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
+            module itself) included, once per replica (not per call); the module is not
+            changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
+
+    >>> import torch, dataparallel as dp
+    >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
+    >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
+    (torch.Size([10, 2]), [4, 3, 3])
+    """
+
+    # torch's meaning (the devices used, where the output lands), as ``torch.device`` objects:
+    # a CPU list has no CUDA index to hold.
+    device_ids: list[torch.device]  # type: ignore[assignment]
+    output_device: torch.device  # type: ignore[assignment]
+
+    # The batch options, read and set as attributes (``w.max_size = 4``), kept in ``options``.
+    batch_size = plan_option("batch_size")
+    chunk_sizes = plan_option("chunk_sizes")
+    weights = plan_option("weights")
+    max_size = plan_option("max_size")
+    dtype = plan_option("dtype")
+    strict = plan_option("strict")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: DeviceSpec | Sequence[DeviceSpec] | None = None,
+        output_device: DeviceSpec | None = None,
+        dim: int = 0,
+        *,
+        batch_size: int | None = None,
+        chunk_sizes: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
+        max_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        strict: bool = False,
+        scalars: str = DEFAULT_SCALARS,
+        gather: bool = True,
+        scalar_weights: ScalarWeights | None = None,
+        output_rules: Mapping[str, int | str] | None = None,
+        compile: bool | Mapping[str, Any] = False,
+    ) -> None:
+        # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
+        nn.Module.__init__(self)
+        self.module = check_module(module)
+        self.device_ids = resolve_devices(device_ids)
+        check_runnable(self.device_ids)
+        self.output_device = (
+            self.device_ids[0]
+            if output_device is None
+            else target_device(output_device, where="output_device")
+        )
+        check_runnable([self.output_device], where="output_device", indexed=False)
+        self.src_device_obj = self.device_ids[0]
+        check_not_compiled(module, self.device_ids)
+        self.dim = check_dim(dim)
+        self.options: dict[str, Any] = {
+            "batch_size": batch_size,
+            "chunk_sizes": chunk_sizes,
+            "weights": weights,
+            "max_size": max_size,
+            "dtype": dtype,
+            "strict": strict,
+        }
+        # Validate the options once, now, rather than at the first call.
+        check_plan_options(self.device_ids, self.dim, self.options)
+        self.scalars = check_scalars(scalars)
+        self.gather_outputs = gather
+        self.scalar_weights = check_scalar_weights(scalar_weights)
+        self.output_rules = check_output_rules(output_rules)
+        # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
+        self.compile_options = check_compile_option(compile)
+        self._warned: set[tuple[str, ...]] = set()
+        self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Options set on a built wrapper (``w.scalars = "sum"``, ``w.output_rules = {...}``,
+        ``w.device_ids``, ``w.module``...) are checked as the constructor checks them."""
+        check = CHECKED.get(name)
+        if check is not None and "_steps" in self.__dict__:
+            value = check(self, value)
+        super().__setattr__(name, value)
+
+    def _replicate_for_data_parallel(self) -> DataParallel:
+        """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
+        with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
+        replica's own device (``_run_here``)."""
+        replica = super()._replicate_for_data_parallel()
+        for name in _RUNTIME:
+            replica.__dict__.pop(name, None)
+        return replica
+
+    # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
+
+    @property
+    def last_call(self) -> CallStats | None:
+        """The load of this thread's last call through this wrapper (``None`` before one)."""
+        calls = self.__dict__.get("_calls")
+        if calls is None:
+            return None
+        last = getattr(calls, "last", None)
+        if type(last) is _Load:  # a call records its load; the stats are made when read
+            names = [str(d) for d in last.devices]
+            last = calls.last = CallStats(names, last.chunk_sizes, last.timers, last.waves)
+        return last
+
+    @last_call.setter
+    def last_call(self, value: CallStats | None) -> None:
+        self._record(value)
+
+    def _record(self, value: CallStats | _Load | None) -> None:
+        # Called on every forward: straight to the thread-local, past nn.Module.__setattr__.
+        calls = self.__dict__.get("_calls")
+        if calls is None:
+            calls = self.__dict__["_calls"] = threading.local()
+        calls.last = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
+        # starts with no last call, a lock of its own, no replicas and no device sentinels
+        # (made again at its first call). Kept plans are a cache, not state: made again too.
+        state = self.__dict__.copy()
+        for name in _RUNTIME:
+            state.pop(name, None)
+        state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
+        return state
+
+    def _call_lock(self) -> threading.RLock:
+        """The lock that runs this wrapper's calls one at a time (see ``forward``)."""
+        lock = self.__dict__.get("_lock")
+        if lock is None:  # made lazily: a copied or unpickled wrapper has none
+            lock = self.__dict__.setdefault("_lock", threading.RLock())
+        return lock
+
+    # -- the pipeline -------------------------------------------------------------------------
+
+    # inspect.signature(wrapper) and inspect.signature(wrapper.forward) name the module's
+    # parameters, so signature-driven code (Trainer's column filter) sees the module's.
+    __signature__ = PresentedSignature()
+
+    @PresentedForward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Plan the call, then per wave scatter, replicate and apply; gather the outputs.
+
+        One path for every call: on one device the plan has one chunk, reused from the last
+        call while the arguments' signature holds, its scatter moves nothing, and the module is
+        its own replica, run on the caller's thread. Introspection sees the module's signature
+        (``dataparallel.wrapper._signature``).
+
+        Calls through one wrapper run one at a time (a training thread and an evaluation
+        thread sharing it take turns): its replicas are one set of objects, re-synced for each
+        call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
+        saved. Threads that must run at once use a wrapper each (they share the module).
+        A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
+        """
+        if torch.compiler.is_compiling():
+            # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
+            # threads and locks), with a warning naming compile=.
+            return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
+        if "_is_replica" in self.__dict__:  # a copy in another wrapper's replica
+            self._run_here(inputs, kwargs)
+        lock = self._call_lock()
+        if not lock.acquire(blocking=False):
+            wait_for(lock)
+        try:
+            self._check_module_device()
+            try:
+                return self._pipeline(inputs, kwargs)
+            except RuntimeError:
+                self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
+                raise
+        finally:
+            lock.release()
+
+    def _run_here(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Make this copy of a nested wrapper run its calls on its replica's own device.
+
+        A wrapper inside a wrapped module (``model.encoder = dp.DataParallel(enc)``) is
+        replicated with it. Replica 0 is the wrapper itself: its calls split replica 0's chunk
+        over its own devices. Each other replica holds a copy (``_replicate_for_data_parallel``)
+        whose module is that replica's copy, on that replica's device: the copy runs its chunk
+        there, as one device (``device_ids[0]`` may be a device the copy's tensors are not on).
+        The outer wrapper has already split the batch, so the result is one device's either way.
+        """
+        d = self.__dict__
+        if d.get("_here") is None:
+            device = _infer_device(self.module, inputs, kwargs)
+            d["device_ids"] = [device]
+            d["src_device_obj"] = d["output_device"] = device
+            d["options"] = {**d["options"], "chunk_sizes": None, "weights": None}
+            d["_here"] = device
+
+    # mmcv's and mmengine's step methods, where the module has them (dataparallel.wrapper._steps)
+    train_step = StepMethod()
+    val_step = StepMethod()
+    test_step = StepMethod()
+
+    def _run_step(self, name: str, *inputs: Any, **kwargs: Any) -> Any:
+        """``forward``'s pipeline with each replica running its method ``name``."""
+        with self._call_lock():
+            self._check_module_device()
+            return self._pipeline(inputs, kwargs, name)
+
+    def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward`` reached through ``torch.compile(wrapper)``: run as without it."""
+        warn_compiled_wrapper(self)
+        return self.forward(*inputs, **kwargs)
+
+    def _pipeline(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
+    ) -> Any:
+        steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
+        plan = self._plan(inputs, kwargs)
+        slices = plan.slices
+        if (
+            len(slices) == 1
+            and len(slices[0]) == 1
+            and slices[0][0][0] == self.src_device_obj
+            and method is None
+            and not steps.scatter
+            and self.scalar_weights is None
+            and self.__dict__.get("compile_options") is None
+            and COUNT_KEYWORD not in kwargs
+        ):
+            return self._one_chunk(plan, steps)
+        outputs: list[Any] = []
+        devices: list[torch.device] = []
+        sizes: list[int] = []
+        timers: list[Any] = []  # floats, or CUDA spans read only when asked
+        weights: list[float] = []
+        # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
+        share = COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, steps)
+        total = self._weight_total(plan, inputs, kwargs, steps) if share else 0.0
+        # What each output's replica received, for gather to tell a buffer or input passed
+        # through from a value computed per chunk (read only when a scalar needs it).
+        chunk_args: list[Any] = []
+        chunk_kws: list[Any] = []
+        chunk_replicas: list[nn.Module] = []
+        for later, wave in enumerate(plan.slices):
+            args, kws, wave_devices, wave_sizes = self._scatter_wave(
+                plan, wave, inputs, kwargs, steps
+            )
+            if self.scalar_weights is not None:
+                weights.extend(chunk_weights(self.scalar_weights, args, kws))
+            if share:
+                counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
+                kws = shared_counts(kws, counted, total or float(sum(counted)))
+            replicas = self._replicate_wave(wave_devices, bool(later))
+            outputs += self._apply_wave(
+                replicas, args, kws, wave_devices, steps, timers, later, method
+            )
+            devices += wave_devices
+            sizes += wave_sizes
+            chunk_args += args
+            chunk_kws += kws
+            chunk_replicas += replicas
+        self._record(_Load(devices, sizes, timers, len(plan.slices)))
+        origins = (
+            Origins(
+                chunk_replicas,
+                None if steps.scatter else plan.program,
+                chunk_args,
+                chunk_kws,
+            )
+            if len(outputs) > 1
+            else None
+        )
+        return self._gather_all(outputs, devices, sizes, weights, steps, method, origins)
+
+    def _one_chunk(self, plan: Plan, steps: _Overrides) -> Any:
+        """A call planned as one chunk on the module's own device (every one-device call):
+        ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
+        the caller's thread; nothing is replicated, no count is shared, no weight is read."""
+        device, start, length = plan.slices[0][0]
+        args, kws = take(plan, start, length, device)
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
+        timers: list[Any] = []
+        outputs = apply_replicas((module,), (args,), (kws,), (device,), timers)
+        devices, sizes = [device], [length]
+        self._record(_Load(devices, sizes, timers, 1))
+        return self._gather_all(outputs, devices, sizes, [], steps)
+
+    def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
+        """Whether this call's chunks each get their share of ``num_items_in_batch``."""
+        default_gather = (
+            self.gather_outputs and not steps.gather and not self.__dict__.get("output_rules")
+        )
+        chunks = sum(len(wave) for wave in plan.slices)
+        return shares_count(kwargs, self._modules["module"], self.scalars, default_gather, chunks)
+
+    def _weight_total(
+        self, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: _Overrides
+    ) -> float:
+        def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+            return self._scatter_wave(plan, wave, inputs, kwargs, steps)[:2]
+
+        return weight_total(plan.batch_size, plan.slices, self.scalar_weights, scatter)
+
+    # -- the steps, each honouring its override -------------------------------------------------
+
+    def _find_overrides(self) -> _Overrides:
+        """Which of torch's four steps this wrapper's class overrides: decided once, at
+        construction (or at the first call of a wrapper unpickled from an older version)."""
+        steps = self.__dict__["_steps"] = _overrides(type(self))
+        return steps
+
+    def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """The last plan, reused while the arguments' signature, devices and options hold."""
+        plans: PlanCache | None = self.__dict__.get("_plans")
+        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
+            plans = self.__dict__["_plans"] = PlanCache()
+        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options)
+        if plan.warnings:
+            self._warn_once(plan)
+        return plan
+
+    def _scatter_wave(
+        self,
+        plan: Plan,
+        wave: list[tuple[torch.device, int, int]],
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        steps: _Overrides,
+    ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
+        """One wave's chunks, their devices and sizes: the plan's program run for each
+        ``(device, start, length)`` of the wave, or the ``scatter`` override's chunks."""
+        if not steps.scatter:
+            chunk_args, chunk_kwargs, chunk_devices, chunk_sizes = [], [], [], []
+            for device, start, length in wave:
+                one_args, one_kwargs = take(plan, start, length, device)
+                chunk_args.append(one_args)
+                chunk_kwargs.append(one_kwargs)
+                chunk_devices.append(device)
+                chunk_sizes.append(length)
+            return chunk_args, chunk_kwargs, chunk_devices, chunk_sizes
+        devices = [device for device, _, _ in wave]
+        if len(plan.slices) > 1:
+            raise ValueError(
+                "max_size: waves need the built-in scatter, but scatter is overridden; "
+                "drop max_size or the override"
+            )
+        args, kws = self.scatter(inputs, kwargs, devices)
+        # the override chose the chunks: read their sizes, pair devices as torch does
+        sizes = [first_batch_size((a, k), self.dim) or 0 for a, k in zip(args, kws, strict=True)]
+        return args, kws, devices[: len(args)], sizes
+
+    def _replicate_wave(self, devices: list[torch.device], later: bool) -> list[nn.Module]:
+        """Replica 0 is the module itself: one chunk on its own device needs no replicate.
+
+        Under ``max_size`` the module runs once per call, as on one device: in the first wave.
+        Every later wave runs on copies only (the replicas after the module's own in a set with
+        one more replica in front), so what a forward writes (``self.calls += 1``, BatchNorm's
+        running statistics and ``num_batches_tracked``) lands once per call, from the first
+        wave's replica 0; the copies' writes are dropped.
+        """
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
+        if later:
+            return self.replicate(module, [self.src_device_obj, *devices])[1:]
+        if len(devices) == 1 and devices[0] == self.src_device_obj:
+            return [module]
+        return self.replicate(module, devices)
+
+    def _apply_wave(
+        self,
+        replicas: list[nn.Module],
+        args: Sequence[Any],
+        kws: Sequence[Any],
+        devices: list[torch.device],
+        steps: _Overrides,
+        timers: list[Any],
+        later: int,
+        method: str | None = None,
+    ) -> list[Any]:
+        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
+        alone = len(replicas) == 1 and replicas[0] is module
+        options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
+        run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
+        if method is not None:  # train_step & co.: each replica runs its own method
+            run = [StepCall(replica, method) for replica in replicas]
+        sync = None if len(replicas) < 2 else sync_call(self.__dict__, replicas, devices)
+        if steps.parallel_apply and not alone:
+            # an override may call super().parallel_apply: it needs this wave's devices (and
+            # the wave's SyncBatchNorm rendezvous)
+            self.__dict__["_wave_devices"] = devices
+            self.__dict__["_wave_sync"] = sync
+            try:
+                outputs = self.parallel_apply(run, args, kws)
+            finally:
+                self.__dict__.pop("_wave_devices", None)
+                self.__dict__.pop("_wave_sync", None)
+            timers += [float("nan")] * len(devices)
+        else:
+            outputs = apply_replicas(run, args, kws, devices, timers, sync)
+        if replicas[0] is not module and not later:  # a later wave's writes are dropped
+            copy_buffers_back(replicas[0], module)
+        return outputs
+
+    def _gather_all(
+        self,
+        outputs: list[Any],
+        devices: list[torch.device],
+        sizes: list[int],
+        weights: list[float],
+        steps: _Overrides,
+        method: str | None = None,
+        origins: Origins | None = None,
+    ) -> Any:
+        if not self.gather_outputs:
+            return DeviceOutputs(outputs, devices, sizes)
+        if steps.gather:
+            return self.gather(outputs, self.output_device)
+        return gather_outputs(
+            outputs,
+            self.output_device,
+            self.dim,
+            None if steps.scatter else sizes,  # an override chose the chunks: read them
+            self.scalars,
+            weights or None,
+            # (a wrapper unpickled from before has none)
+            self.__dict__.get("output_rules")
+            if method is None
+            else step_rules(outputs[0], self.__dict__.get("output_rules")),
+            self._modules["module"],  # (past nn.Module.__getattr__, on every call)
+            origins,
+        )
+
+    # -- torch's overridable steps ----------------------------------------------------------
+
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, device_ids: Sequence[Any]
+    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+        """torch's signature: per-device argument tuples and kwargs dicts for one round."""
+        plan = build_plan(
+            inputs,
+            kwargs,
+            resolve_devices(device_ids),
+            self.dim,
+            allow_waves=False,
+            **self.options,
+        )
+        self._warn_once(plan)
+        chunks = [take(plan, s, n, d) for d, s, n in plan.slices[0]]
+        return tuple(a for a, _ in chunks), tuple(k for _, k in chunks)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]:
+        """Replicas of ``module`` on ``device_ids``, kept by this wrapper between calls."""
+        sets: ReplicaSets | None = self.__dict__.get("_replica_sets")
+        if sets is None:  # made lazily: a copied or unpickled wrapper has none
+            sets = self.__dict__["_replica_sets"] = ReplicaSets()
+        return sets.replicate(module, list(device_ids))
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[Any]
+    ) -> list[Any]:
+        """torch's signature: run each replica on its inputs, on the pool's threads."""
+        devices = self.__dict__.get("_wave_devices") or self.device_ids[: len(replicas)]
+        sync = self.__dict__.get("_wave_sync")
+        return parallel_apply(replicas, inputs, kwargs, devices, syncbn=sync)
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        """torch's signature: one output on ``output_device``, chunk sizes inferred."""
+        return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
+
+    def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
+        """The plan this wrapper would follow for these arguments; runs nothing. Its notes say
+        how the call's outputs will be gathered where that is not the default, and which
+        BatchNorm layers of the module are synchronised over the replicas."""
+        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
+        if COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, self._find_overrides()):
+            plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
+        note = batchnorm_note(self.module, plan.waves)
+        if note:
+            plan.notes.append(note)
+        return plan
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _check_module_device(self) -> None:
+        """The module must be on ``device_ids[0]``: checked in full on the first call, then
+        through two sentinels (``dataparallel.wrapper._placement``), so a deep module does not pay a
+        walk over every parameter per call."""
+        device = self.src_device_obj
+        if sentinels_hold(self.__dict__.get("_sentinels"), device):
+            return
+        check_on_device(self.module, device)
+        self.__dict__["_sentinels"] = sentinels_of(self.module)
+
+    def _check_module_device_fully(self) -> None:
+        check_on_device(self.module, self.src_device_obj)
+
+    def _warn_once(self, plan: Plan) -> None:
+        if plan.warnings and plan.warning_key not in self._warned:
+            self._warned.add(plan.warning_key)
+            for message in plan.warnings:
+                warn_user(message)
+
+
+_NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
+
+
+class _Load(NamedTuple):
+    """What a call records for ``last_call``: ``CallStats`` is made from it only when read
+    (naming the devices costs more than the rest of the record, on every call)."""
+
+    devices: list[torch.device]
+    chunk_sizes: list[int]
+    timers: list[Any]
+    waves: int
+
+
+class _Overrides(NamedTuple):
+    """Which of torch's overridable steps a ``DataParallel`` subclass replaces."""
+
+    scatter: bool
+    replicate: bool
+    parallel_apply: bool
+    gather: bool
+
+
+def _overrides(cls: type) -> _Overrides:
+    """The steps ``cls`` (a ``DataParallel`` subclass, or the class itself) overrides.
+
+    >>> class Mine(DataParallel):
+    ...     def gather(self, outputs, output_device):
+    ...         return outputs
+    >>> _overrides(Mine)
+    _Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
+    """
+    return _Overrides(
+        *(
+            getattr(cls, name) is not getattr(DataParallel, name)
+            for name in ("scatter", "replicate", "parallel_apply", "gather")
+        )
+    )

@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel._common``, a file per module or per mechanism."""

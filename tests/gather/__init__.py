@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.gather``, a file per module or per mechanism."""

@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.parallel_apply``, a file per module or per mechanism."""

@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.scatter``, a file per module or per mechanism."""

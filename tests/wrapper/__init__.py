@@ -1,0 +1,1 @@
+"""Tests of ``dataparallel.wrapper``, a file per module or per mechanism."""

@@ -1,0 +1,257 @@
+"""A call that passes ``num_items_in_batch``: each replica gets its share of the count, so a
+partial-sum loss comes back summed and a loss that ignores the count keeps its mean.
+
+``TokenLM`` follows transformers' causal LMs: with ``num_items_in_batch`` its loss is the
+chunk's token sum over the whole batch's count, else the chunk's token mean. ``MeanLoss``
+follows their sequence classifiers: it takes ``**kwargs`` (so Trainer passes the count) and
+ignores it. Padded labels (-100) give the chunks different token counts, so averaging the
+partial sums, or summing the means, is visibly wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from _close import assert_close_rel
+from dataparallel.wrapper._partial_sums import accepts_keyword, shared_counts
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
+Pair = namedtuple("Pair", ["loss", "logits"])
+
+
+class TokenLM(nn.Module):
+    """Token logits and a token loss, the loss reduced as transformers' causal LMs do."""
+
+    def __init__(self, returns: str = "dict") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11)
+        self.returns = returns
+
+    def forward(
+        self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+    ) -> Any:
+        logits = self.head(self.emb(ids))
+        flat = nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        if num_items_in_batch is None:
+            loss = flat / (labels != -100).sum()
+        else:
+            loss = flat / num_items_in_batch
+        aux = logits.pow(2).mean()  # a mean over the chunk: not a partial sum
+        if self.returns == "scalar":
+            return loss
+        if self.returns == "tuple":
+            return loss, logits
+        if self.returns == "namedtuple":
+            return Pair(loss, logits)
+        return {"loss": loss, "logits": logits, "aux": aux}
+
+
+class MeanLoss(nn.Module):
+    """A classifier's mean loss; takes ``**kwargs`` and ignores the count, as BERT does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
+        logits = self.head(self.emb(ids).mean(1))
+        return {"loss": nn.functional.cross_entropy(logits, labels[:, 0] % 3), "logits": logits}
+
+
+class NoCount(nn.Module):
+    """A forward that does not take num_items_in_batch: the keyword is its own business."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, *, num_items_in_batch: None = None) -> torch.Tensor:
+        return self.lin(x).sum() / x.shape[0]
+
+
+def _batch(n: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 11, (n, 5), generator=gen)
+    labels = ids.clone()
+    for i in range(n):  # right padding of varied lengths: chunks differ in token counts
+        labels[i, 5 - i % 4 :] = -100
+    return ids, labels, (labels != -100).sum()
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return (
+        out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, tuple) else out["loss"]
+    )
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+@pytest.mark.parametrize("returns", ["dict", "scalar", "tuple", "namedtuple"])
+def test_a_partial_sum_loss_comes_back_summed(devices: list[str], returns: str) -> None:
+    ref_model = TokenLM(returns)
+    model = copy.deepcopy(ref_model)
+    ids, labels, count = _batch()
+    ref = ref_model(ids, labels, num_items_in_batch=count)
+    _loss(ref).backward()
+    out = dp.DataParallel(model, devices)(ids, labels, num_items_in_batch=count)
+    _loss(out).backward()
+    assert_close_rel(_loss(out), _loss(ref), msg="loss")
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert_close_rel(p.grad, q.grad, msg=name)  # type: ignore[arg-type]
+    if returns == "dict":
+        # other scalar outputs keep the default, a chunk-weighted mean of the chunks' means
+        assert_close_rel(out["aux"], ref["aux"], msg="aux")
+
+
+def test_without_the_count_the_default_mean_holds() -> None:
+    ids, labels, _ = _batch(8)
+    lens = (labels != -100).sum(1)
+    model = TokenLM()
+    out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels)
+    one = [model(ids[:4], labels[:4])["loss"], model(ids[4:], labels[4:])["loss"]]
+    assert_close_rel(out["loss"], (one[0] + one[1]) / 2, msg="mean of the chunks")
+    assert int(lens.sum()) > 0
+    out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=None)
+    assert_close_rel(out["loss"], (one[0] + one[1]) / 2, msg="None is no count")
+
+
+@pytest.mark.parametrize("chosen", ["mean", "stack"])
+def test_an_explicit_scalars_passes_the_count_unchanged(chosen: str) -> None:
+    ids, labels, count = _batch(8)
+    model = TokenLM()
+    parts = [
+        model(ids[:4], labels[:4], num_items_in_batch=count)["loss"],
+        model(ids[4:], labels[4:], num_items_in_batch=count)["loss"],
+    ]
+    out = dp.DataParallel(model, ["cpu", "cpu"], scalars=chosen)(
+        ids, labels, num_items_in_batch=count
+    )
+    want = (parts[0] + parts[1]) / 2 if chosen == "mean" else torch.stack(parts)
+    assert_close_rel(out["loss"], want, msg=chosen)
+    # assigned on a built wrapper: an explicit choice too
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    wrapper.scalars = "mean"
+    again = wrapper(ids, labels, num_items_in_batch=count)
+    assert_close_rel(again["loss"], (parts[0] + parts[1]) / 2, msg="assigned")
+
+
+def test_output_rules_pass_the_count_unchanged() -> None:
+    ids, labels, count = _batch(8)
+    model = TokenLM()
+    parts = [
+        model(ids[:4], labels[:4], num_items_in_batch=count)["loss"],
+        model(ids[4:], labels[4:], num_items_in_batch=count)["loss"],
+    ]
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"], output_rules={"output['loss']": "list"})
+    out = wrapper(ids, labels, num_items_in_batch=count)
+    assert isinstance(out["loss"], list)
+    assert_close_rel(out["loss"][1], parts[1], msg="replica 1")
+
+
+def test_a_forward_that_does_not_take_the_keyword_gets_no_share() -> None:
+    assert accepts_keyword(TokenLM()) and not accepts_keyword(nn.Linear(1, 1))
+    model = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match="num_items_in_batch"):
+        dp.DataParallel(model, ["cpu", "cpu"])(torch.randn(4, 3), num_items_in_batch=4)
+    assert accepts_keyword(NoCount())
+
+
+def test_explain_says_the_loss_is_summed() -> None:
+    ids, labels, count = _batch()
+    wrapper = dp.DataParallel(TokenLM(), ["cpu", "cpu"])
+    plan = wrapper.explain(ids, labels, num_items_in_batch=count)
+    assert plan.notes and "sum of their partial sums" in plan.notes[0]
+    assert "note: num_items_in_batch=" in str(plan)
+    assert not wrapper.explain(ids, labels).notes
+    explicit = dp.DataParallel(TokenLM(), ["cpu", "cpu"], scalars="mean")
+    assert not explicit.explain(ids, labels, num_items_in_batch=count).notes
+
+
+def test_the_default_still_reads_mean_and_survives_copies() -> None:
+    wrapper = dp.DataParallel(nn.Linear(2, 2), ["cpu", "cpu"])
+    assert wrapper.scalars == "mean" and repr(wrapper.scalars) == "'mean'"
+    ids, labels, count = _batch()
+    ref = TokenLM()(ids, labels, num_items_in_batch=count)["loss"]
+    lm = dp.DataParallel(TokenLM(), ["cpu", "cpu"])
+    for again in (copy.deepcopy(lm), pickle.loads(pickle.dumps(lm))):
+        assert again.scalars is lm.scalars  # still the default, not an explicit "mean"
+        assert_close_rel(again(ids, labels, num_items_in_batch=count)["loss"], ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = dp.data_parallel(
+            TokenLM(),
+            _batch()[:2],
+            ["cpu", "cpu"],
+            module_kwargs={"num_items_in_batch": _batch()[2]},
+        )
+    ids, labels, count = _batch()
+    assert_close_rel(out["loss"], TokenLM()(ids, labels, num_items_in_batch=count)["loss"])
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+def test_a_loss_that_ignores_the_count_keeps_its_mean(devices: list[str]) -> None:
+    ref_model = MeanLoss()
+    model = copy.deepcopy(ref_model)
+    ids, labels, count = _batch()
+    ref = ref_model(ids, labels, num_items_in_batch=count)
+    ref["loss"].backward()
+    out = dp.DataParallel(model, devices)(ids, labels, num_items_in_batch=count)
+    out["loss"].backward()
+    assert_close_rel(out["loss"], ref["loss"], msg="loss")
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        assert_close_rel(p.grad, q.grad, msg=name)  # type: ignore[arg-type]
+
+
+def test_with_scalar_weights_and_waves() -> None:
+    """The share follows the mean's weights: scalar_weights (token counts), and waves under
+    max_size, whose total is read over every wave."""
+    ids, labels, count = _batch(9)
+    ref = TokenLM()(ids, labels, num_items_in_batch=count)["loss"]
+    tokens = lambda a, kw: (a[1] != -100).sum()  # noqa: E731
+    for opts in (
+        {"scalar_weights": tokens},
+        {"max_size": 2},
+        {"max_size": 2, "scalar_weights": tokens},
+    ):
+        out = dp.DataParallel(TokenLM(), ["cpu", "cpu:1"], **opts)(
+            ids, labels, num_items_in_batch=count
+        )
+        assert_close_rel(out["loss"], ref, msg=str(opts))
+    one = dp.DataParallel(TokenLM(), ["cpu"])(ids, labels, num_items_in_batch=int(count))
+    assert_close_rel(one["loss"], ref, msg="one device")
+
+
+def test_the_count_a_replica_receives() -> None:
+    seen: list[Any] = []
+
+    class Spy(TokenLM):
+        def forward(
+            self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+        ) -> Any:
+            seen.append(num_items_in_batch)
+            return super().forward(ids, labels, num_items_in_batch)
+
+    ids, labels, _ = _batch(6)
+    kwargs = {"num_items_in_batch": 12}
+    dp.DataParallel(Spy(), ["cpu", "cpu", "cpu"])(ids, labels, **kwargs)
+    assert sorted(seen) == [4.0, 4.0, 4.0] and kwargs == {"num_items_in_batch": 12}
+    seen.clear()
+    dp.DataParallel(Spy(), ["cpu", "cpu"], gather=False)(ids, labels, **kwargs)
+    assert seen == [12, 12]  # per-device outputs: the caller reduces them, with the count as given
+    assert shared_counts([{"num_items_in_batch": torch.tensor(10)}], [1], 4)[0][
+        "num_items_in_batch"
+    ].item() == pytest.approx(2.5)
