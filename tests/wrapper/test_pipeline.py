@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.wrapper._data_parallel import _Overrides as Overrides
+from dataparallel.wrapper._waves import Overrides
 
 CPU2 = ["cpu", "cpu"]
 

@@ -140,8 +140,9 @@ class CompiledReplicas:
         self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
 
     @classmethod
-    def of(cls, wrapper: nn.Module, options: dict[str, Any]) -> CompiledReplicas:
-        """The wrapper's table for these options (made again if they were replaced)."""
+    def of(cls, wrapper: Any, options: dict[str, Any]) -> CompiledReplicas:
+        """The wrapper's table for these options (made again if they were replaced); only the
+        wrapper's ``__dict__`` is read and written."""
         table: CompiledReplicas | None = wrapper.__dict__.get("_compiled_replicas")
         if table is None or table.source is not options:
             table = wrapper.__dict__["_compiled_replicas"] = cls(options)

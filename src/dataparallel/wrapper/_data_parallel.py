@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,20 +21,17 @@ from dataparallel._common.warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
     check_scalars,
-    first_batch_size,
     gather,
-    gather_outputs,
 )
 from dataparallel.gather._losses import ScalarWeights, chunk_weights
 from dataparallel.gather._origins import Origins
 from dataparallel.gather._output_rules import check_output_rules
-from dataparallel.parallel_apply import apply_replicas, parallel_apply, wait_for
+from dataparallel.parallel_apply import parallel_apply, wait_for
 from dataparallel.parallel_apply._apply import _infer_device
-from dataparallel.parallel_apply._syncbn import batchnorm_note, sync_call
+from dataparallel.parallel_apply._syncbn import batchnorm_note
 from dataparallel.plan import Plan, build_plan
 from dataparallel.replicate import ReplicaSets
 from dataparallel.replicate._compiled import (
-    CompiledReplicas,
     check_compile_option,
     check_not_compiled,
     warn_compiled_wrapper,
@@ -53,19 +50,26 @@ from dataparallel.wrapper._partial_sums import (
     COUNT_KEYWORD,
     DEFAULT_SCALARS,
     shared_counts,
-    shares_count,
     summing_note,
-    weight_total,
 )
 from dataparallel.wrapper._placement import (
     check_on_device,
-    copy_buffers_back,
     sentinels_hold,
     sentinels_of,
 )
-from dataparallel.wrapper._results import CallStats, DeviceOutputs
+from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
-from dataparallel.wrapper._steps import StepCall, StepMethod, step_rules
+from dataparallel.wrapper._steps import StepMethod
+from dataparallel.wrapper._waves import (
+    Overrides,
+    apply_wave,
+    gather_all,
+    one_chunk,
+    replicate_wave,
+    scatter_wave,
+    shares_count_of,
+    weight_total_of,
+)
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
 
@@ -214,30 +218,8 @@ class DataParallel(nn.DataParallel):
             replica.__dict__.pop(name, None)
         return replica
 
-    # -- last_call: one per thread, so threads sharing a wrapper each see their own call ------
-
-    @property
-    def last_call(self) -> CallStats | None:
-        """The load of this thread's last call through this wrapper (``None`` before one)."""
-        calls = self.__dict__.get("_calls")
-        if calls is None:
-            return None
-        last = getattr(calls, "last", None)
-        if type(last) is _Load:  # a call records its load; the stats are made when read
-            names = [str(d) for d in last.devices]
-            last = calls.last = CallStats(names, last.chunk_sizes, last.timers, last.waves)
-        return last
-
-    @last_call.setter
-    def last_call(self, value: CallStats | None) -> None:
-        self._record(value)
-
-    def _record(self, value: CallStats | _Load | None) -> None:
-        # Called on every forward: straight to the thread-local, past nn.Module.__setattr__.
-        calls = self.__dict__.get("_calls")
-        if calls is None:
-            calls = self.__dict__["_calls"] = threading.local()
-        calls.last = value
+    # The load of this thread's last call through this wrapper (``None`` before one).
+    last_call = LastCall()
 
     def __getstate__(self) -> dict[str, Any]:
         # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
@@ -333,7 +315,7 @@ class DataParallel(nn.DataParallel):
     def _pipeline(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
     ) -> Any:
-        steps: _Overrides = self.__dict__.get("_steps") or self._find_overrides()
+        steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         slices = plan.slices
         if (
@@ -346,39 +328,39 @@ class DataParallel(nn.DataParallel):
             and self.__dict__.get("compile_options") is None
             and COUNT_KEYWORD not in kwargs
         ):
-            return self._one_chunk(plan, steps)
+            return one_chunk(self, plan, steps)
         outputs: list[Any] = []
         devices: list[torch.device] = []
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
         # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
-        share = COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, steps)
-        total = self._weight_total(plan, inputs, kwargs, steps) if share else 0.0
+        share = COUNT_KEYWORD in kwargs and shares_count_of(self, kwargs, plan, steps)
+        total = weight_total_of(self, plan, inputs, kwargs, steps) if share else 0.0
         # What each output's replica received, for gather to tell a buffer or input passed
         # through from a value computed per chunk (read only when a scalar needs it).
         chunk_args: list[Any] = []
         chunk_kws: list[Any] = []
         chunk_replicas: list[nn.Module] = []
         for later, wave in enumerate(plan.slices):
-            args, kws, wave_devices, wave_sizes = self._scatter_wave(
-                plan, wave, inputs, kwargs, steps
+            args, kws, wave_devices, wave_sizes = scatter_wave(
+                self, plan, wave, inputs, kwargs, steps
             )
             if self.scalar_weights is not None:
                 weights.extend(chunk_weights(self.scalar_weights, args, kws))
             if share:
                 counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
                 kws = shared_counts(kws, counted, total or float(sum(counted)))
-            replicas = self._replicate_wave(wave_devices, bool(later))
-            outputs += self._apply_wave(
-                replicas, args, kws, wave_devices, steps, timers, later, method
+            replicas = replicate_wave(self, wave_devices, bool(later))
+            outputs += apply_wave(
+                self, replicas, args, kws, wave_devices, steps, timers, later, method
             )
             devices += wave_devices
             sizes += wave_sizes
             chunk_args += args
             chunk_kws += kws
             chunk_replicas += replicas
-        self._record(_Load(devices, sizes, timers, len(plan.slices)))
+        record(self.__dict__, Load(devices, sizes, timers, len(plan.slices)))
         origins = (
             Origins(
                 chunk_replicas,
@@ -389,40 +371,11 @@ class DataParallel(nn.DataParallel):
             if len(outputs) > 1
             else None
         )
-        return self._gather_all(outputs, devices, sizes, weights, steps, method, origins)
-
-    def _one_chunk(self, plan: Plan, steps: _Overrides) -> Any:
-        """A call planned as one chunk on the module's own device (every one-device call):
-        ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
-        the caller's thread; nothing is replicated, no count is shared, no weight is read."""
-        device, start, length = plan.slices[0][0]
-        args, kws = take(plan, start, length, device)
-        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
-        timers: list[Any] = []
-        outputs = apply_replicas((module,), (args,), (kws,), (device,), timers)
-        devices, sizes = [device], [length]
-        self._record(_Load(devices, sizes, timers, 1))
-        return self._gather_all(outputs, devices, sizes, [], steps)
-
-    def _shares_count(self, kwargs: Mapping[str, Any], plan: Plan, steps: _Overrides) -> bool:
-        """Whether this call's chunks each get their share of ``num_items_in_batch``."""
-        default_gather = (
-            self.gather_outputs and not steps.gather and not self.__dict__.get("output_rules")
-        )
-        chunks = sum(len(wave) for wave in plan.slices)
-        return shares_count(kwargs, self._modules["module"], self.scalars, default_gather, chunks)
-
-    def _weight_total(
-        self, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: _Overrides
-    ) -> float:
-        def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
-            return self._scatter_wave(plan, wave, inputs, kwargs, steps)[:2]
-
-        return weight_total(plan.batch_size, plan.slices, self.scalar_weights, scatter)
+        return gather_all(self, outputs, devices, sizes, weights, steps, method, origins)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
-    def _find_overrides(self) -> _Overrides:
+    def _find_overrides(self) -> Overrides:
         """Which of torch's four steps this wrapper's class overrides: decided once, at
         construction (or at the first call of a wrapper unpickled from an older version)."""
         steps = self.__dict__["_steps"] = _overrides(type(self))
@@ -437,116 +390,6 @@ class DataParallel(nn.DataParallel):
         if plan.warnings:
             self._warn_once(plan)
         return plan
-
-    def _scatter_wave(
-        self,
-        plan: Plan,
-        wave: list[tuple[torch.device, int, int]],
-        inputs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        steps: _Overrides,
-    ) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
-        """One wave's chunks, their devices and sizes: the plan's program run for each
-        ``(device, start, length)`` of the wave, or the ``scatter`` override's chunks."""
-        if not steps.scatter:
-            chunk_args, chunk_kwargs, chunk_devices, chunk_sizes = [], [], [], []
-            for device, start, length in wave:
-                one_args, one_kwargs = take(plan, start, length, device)
-                chunk_args.append(one_args)
-                chunk_kwargs.append(one_kwargs)
-                chunk_devices.append(device)
-                chunk_sizes.append(length)
-            return chunk_args, chunk_kwargs, chunk_devices, chunk_sizes
-        devices = [device for device, _, _ in wave]
-        if len(plan.slices) > 1:
-            raise ValueError(
-                "max_size: waves need the built-in scatter, but scatter is overridden; "
-                "drop max_size or the override"
-            )
-        args, kws = self.scatter(inputs, kwargs, devices)
-        # the override chose the chunks: read their sizes, pair devices as torch does
-        sizes = [first_batch_size((a, k), self.dim) or 0 for a, k in zip(args, kws, strict=True)]
-        return args, kws, devices[: len(args)], sizes
-
-    def _replicate_wave(self, devices: list[torch.device], later: bool) -> list[nn.Module]:
-        """Replica 0 is the module itself: one chunk on its own device needs no replicate.
-
-        Under ``max_size`` the module runs once per call, as on one device: in the first wave.
-        Every later wave runs on copies only (the replicas after the module's own in a set with
-        one more replica in front), so what a forward writes (``self.calls += 1``, BatchNorm's
-        running statistics and ``num_batches_tracked``) lands once per call, from the first
-        wave's replica 0; the copies' writes are dropped.
-        """
-        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
-        if later:
-            return self.replicate(module, [self.src_device_obj, *devices])[1:]
-        if len(devices) == 1 and devices[0] == self.src_device_obj:
-            return [module]
-        return self.replicate(module, devices)
-
-    def _apply_wave(
-        self,
-        replicas: list[nn.Module],
-        args: Sequence[Any],
-        kws: Sequence[Any],
-        devices: list[torch.device],
-        steps: _Overrides,
-        timers: list[Any],
-        later: int,
-        method: str | None = None,
-    ) -> list[Any]:
-        module = cast(nn.Module, self._modules["module"])  # (past nn.Module.__getattr__)
-        alone = len(replicas) == 1 and replicas[0] is module
-        options = self.__dict__.get("compile_options")  # (None in a wrapper from before)
-        run = replicas if options is None else CompiledReplicas.of(self, options).wrap(replicas)
-        if method is not None:  # train_step & co.: each replica runs its own method
-            run = [StepCall(replica, method) for replica in replicas]
-        sync = None if len(replicas) < 2 else sync_call(self.__dict__, replicas, devices)
-        if steps.parallel_apply and not alone:
-            # an override may call super().parallel_apply: it needs this wave's devices (and
-            # the wave's SyncBatchNorm rendezvous)
-            self.__dict__["_wave_devices"] = devices
-            self.__dict__["_wave_sync"] = sync
-            try:
-                outputs = self.parallel_apply(run, args, kws)
-            finally:
-                self.__dict__.pop("_wave_devices", None)
-                self.__dict__.pop("_wave_sync", None)
-            timers += [float("nan")] * len(devices)
-        else:
-            outputs = apply_replicas(run, args, kws, devices, timers, sync)
-        if replicas[0] is not module and not later:  # a later wave's writes are dropped
-            copy_buffers_back(replicas[0], module)
-        return outputs
-
-    def _gather_all(
-        self,
-        outputs: list[Any],
-        devices: list[torch.device],
-        sizes: list[int],
-        weights: list[float],
-        steps: _Overrides,
-        method: str | None = None,
-        origins: Origins | None = None,
-    ) -> Any:
-        if not self.gather_outputs:
-            return DeviceOutputs(outputs, devices, sizes)
-        if steps.gather:
-            return self.gather(outputs, self.output_device)
-        return gather_outputs(
-            outputs,
-            self.output_device,
-            self.dim,
-            None if steps.scatter else sizes,  # an override chose the chunks: read them
-            self.scalars,
-            weights or None,
-            # (a wrapper unpickled from before has none)
-            self.__dict__.get("output_rules")
-            if method is None
-            else step_rules(outputs[0], self.__dict__.get("output_rules")),
-            self._modules["module"],  # (past nn.Module.__getattr__, on every call)
-            origins,
-        )
 
     # -- torch's overridable steps ----------------------------------------------------------
 
@@ -590,7 +433,7 @@ class DataParallel(nn.DataParallel):
         how the call's outputs will be gathered where that is not the default, and which
         BatchNorm layers of the module are synchronised over the replicas."""
         plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
-        if COUNT_KEYWORD in kwargs and self._shares_count(kwargs, plan, self._find_overrides()):
+        if COUNT_KEYWORD in kwargs and shares_count_of(self, kwargs, plan, self._find_overrides()):
             plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
         note = batchnorm_note(self.module, plan.waves)
         if note:
@@ -622,35 +465,16 @@ class DataParallel(nn.DataParallel):
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
 
 
-class _Load(NamedTuple):
-    """What a call records for ``last_call``: ``CallStats`` is made from it only when read
-    (naming the devices costs more than the rest of the record, on every call)."""
-
-    devices: list[torch.device]
-    chunk_sizes: list[int]
-    timers: list[Any]
-    waves: int
-
-
-class _Overrides(NamedTuple):
-    """Which of torch's overridable steps a ``DataParallel`` subclass replaces."""
-
-    scatter: bool
-    replicate: bool
-    parallel_apply: bool
-    gather: bool
-
-
-def _overrides(cls: type) -> _Overrides:
+def _overrides(cls: type) -> Overrides:
     """The steps ``cls`` (a ``DataParallel`` subclass, or the class itself) overrides.
 
     >>> class Mine(DataParallel):
     ...     def gather(self, outputs, output_device):
     ...         return outputs
     >>> _overrides(Mine)
-    _Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
+    Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
     """
-    return _Overrides(
+    return Overrides(
         *(
             getattr(cls, name) is not getattr(DataParallel, name)
             for name in ("scatter", "replicate", "parallel_apply", "gather")

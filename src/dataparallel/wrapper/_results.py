@@ -1,18 +1,20 @@
 """What a ``DataParallel`` call returns and reports besides its gathered output.
 
 ``CallStats`` is a call's load (``model.last_call``), ``DeviceOutputs`` the ungathered outputs
-of a ``gather=False`` call.
+of a ``gather=False`` call. A call records a ``Load`` (``record``), and ``LastCall`` makes the
+``CallStats`` from it only when ``last_call`` is read, one per thread.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CallStats", "DeviceOutputs"]
+__all__ = ["CallStats", "DeviceOutputs", "LastCall", "Load", "record"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,45 @@ class DeviceOutputs(list[Any]):
         super().__init__(outputs)
         self.devices = list(devices)
         self.chunk_sizes = list(chunk_sizes)
+
+
+class Load(NamedTuple):
+    """What a call records for ``last_call``: ``CallStats`` is made from it only when read
+    (naming the devices costs more than the rest of the record, on every call)."""
+
+    devices: list[torch.device]
+    chunk_sizes: list[int]
+    timers: list[Any]
+    waves: int
+
+
+def record(state: dict[str, Any], value: CallStats | Load | None) -> None:
+    """Record ``value`` as the last call of this thread, in a wrapper's ``__dict__``.
+
+    Called on every forward: straight to the thread-local, past ``nn.Module.__setattr__``.
+    One per thread, so threads sharing a wrapper each see their own call.
+    """
+    calls = state.get("_calls")
+    if calls is None:
+        calls = state["_calls"] = threading.local()
+    calls.last = value
+
+
+class LastCall:
+    """``wrapper.last_call``: the load of this thread's last call through the wrapper
+    (``None`` before one); assigning it records the value for this thread."""
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        if wrapper is None:  # read on the class (documentation tools)
+            return self
+        calls = wrapper.__dict__.get("_calls")
+        if calls is None:
+            return None
+        last = getattr(calls, "last", None)
+        if type(last) is Load:  # a call records its load; the stats are made when read
+            names = [str(d) for d in last.devices]
+            last = calls.last = CallStats(names, last.chunk_sizes, last.timers, last.waves)
+        return last
+
+    def __set__(self, wrapper: Any, value: CallStats | None) -> None:
+        record(wrapper.__dict__, value)

@@ -1,0 +1,221 @@
+"""One wave of a ``DataParallel`` call, step by step: its chunks, its replicas, their runs, and
+the gather of every wave's outputs, each honouring the step a subclass overrides.
+
+``DataParallel._pipeline`` calls these in order for each wave of the plan (one wave but under
+``max_size``). They are functions of the wrapper rather than methods so that the class module
+holds what a user reads and overrides (construction, ``forward``, torch's four steps), and the
+wave mechanics live here; ``Wrapper`` names what they use of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, cast
+
+import torch
+from torch import nn
+
+from dataparallel.gather import ScalarMode, first_batch_size, gather_outputs
+from dataparallel.gather._origins import Origins
+from dataparallel.parallel_apply import apply_replicas
+from dataparallel.parallel_apply._syncbn import sync_call
+from dataparallel.plan import Plan
+from dataparallel.replicate._compiled import CompiledReplicas
+from dataparallel.scatter import take
+from dataparallel.wrapper._partial_sums import shares_count, weight_total
+from dataparallel.wrapper._placement import copy_buffers_back
+from dataparallel.wrapper._results import DeviceOutputs, Load, record
+from dataparallel.wrapper._steps import StepCall, step_rules
+
+__all__ = [
+    "Overrides",
+    "Wrapper",
+    "apply_wave",
+    "gather_all",
+    "one_chunk",
+    "replicate_wave",
+    "scatter_wave",
+    "shares_count_of",
+    "weight_total_of",
+]
+
+
+class Overrides(NamedTuple):
+    """Which of torch's overridable steps a ``DataParallel`` subclass replaces."""
+
+    scatter: bool
+    replicate: bool
+    parallel_apply: bool
+    gather: bool
+
+
+class Wrapper(Protocol):
+    """What the wave steps use of a ``DataParallel``: typed by its shape, so that this module,
+    which the class imports, imports nothing of the class's."""
+
+    dim: int
+    scalars: ScalarMode
+    gather_outputs: bool
+    scalar_weights: Any
+    output_device: torch.device
+    src_device_obj: torch.device
+    _modules: dict[str, nn.Module | None]
+    __dict__: dict[str, Any]
+
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, device_ids: Sequence[Any]
+    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]: ...
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> list[nn.Module]: ...
+
+    def parallel_apply(
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Sequence[Any]
+    ) -> list[Any]: ...
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any: ...
+
+
+def one_chunk(w: Wrapper, plan: Plan, steps: Overrides) -> Any:
+    """A call planned as one chunk on the module's own device (every one-device call):
+    ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
+    the caller's thread; nothing is replicated, no count is shared, no weight is read."""
+    device, start, length = plan.slices[0][0]
+    args, kws = take(plan, start, length, device)
+    module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    timers: list[Any] = []
+    outputs = apply_replicas((module,), (args,), (kws,), (device,), timers)
+    devices, sizes = [device], [length]
+    record(w.__dict__, Load(devices, sizes, timers, 1))
+    return gather_all(w, outputs, devices, sizes, [], steps)
+
+
+def scatter_wave(
+    w: Wrapper,
+    plan: Plan,
+    wave: list[tuple[torch.device, int, int]],
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    steps: Overrides,
+) -> tuple[Sequence[Any], Sequence[Any], list[torch.device], list[int]]:
+    """One wave's chunks, their devices and sizes: the plan's program run for each
+    ``(device, start, length)`` of the wave, or the ``scatter`` override's chunks."""
+    if not steps.scatter:
+        chunk_args, chunk_kwargs, chunk_devices, chunk_sizes = [], [], [], []
+        for device, start, length in wave:
+            one_args, one_kwargs = take(plan, start, length, device)
+            chunk_args.append(one_args)
+            chunk_kwargs.append(one_kwargs)
+            chunk_devices.append(device)
+            chunk_sizes.append(length)
+        return chunk_args, chunk_kwargs, chunk_devices, chunk_sizes
+    devices = [device for device, _, _ in wave]
+    if len(plan.slices) > 1:
+        raise ValueError(
+            "max_size: waves need the built-in scatter, but scatter is overridden; "
+            "drop max_size or the override"
+        )
+    args, kws = w.scatter(inputs, kwargs, devices)
+    # the override chose the chunks: read their sizes, pair devices as torch does
+    sizes = [first_batch_size((a, k), w.dim) or 0 for a, k in zip(args, kws, strict=True)]
+    return args, kws, devices[: len(args)], sizes
+
+
+def replicate_wave(w: Wrapper, devices: list[torch.device], later: bool) -> list[nn.Module]:
+    """Replica 0 is the module itself: one chunk on its own device needs no replicate.
+
+    Under ``max_size`` the module runs once per call, as on one device: in the first wave.
+    Every later wave runs on copies only (the replicas after the module's own in a set with
+    one more replica in front), so what a forward writes (``w.calls += 1``, BatchNorm's
+    running statistics and ``num_batches_tracked``) lands once per call, from the first
+    wave's replica 0; the copies' writes are dropped.
+    """
+    module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    if later:
+        return w.replicate(module, [w.src_device_obj, *devices])[1:]
+    if len(devices) == 1 and devices[0] == w.src_device_obj:
+        return [module]
+    return w.replicate(module, devices)
+
+
+def apply_wave(
+    w: Wrapper,
+    replicas: list[nn.Module],
+    args: Sequence[Any],
+    kws: Sequence[Any],
+    devices: list[torch.device],
+    steps: Overrides,
+    timers: list[Any],
+    later: int,
+    method: str | None = None,
+) -> list[Any]:
+    module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    alone = len(replicas) == 1 and replicas[0] is module
+    options = w.__dict__.get("compile_options")  # (None in a wrapper from before)
+    run = replicas if options is None else CompiledReplicas.of(w, options).wrap(replicas)
+    if method is not None:  # train_step & co.: each replica runs its own method
+        run = [StepCall(replica, method) for replica in replicas]
+    sync = None if len(replicas) < 2 else sync_call(w.__dict__, replicas, devices)
+    if steps.parallel_apply and not alone:
+        # an override may call super().parallel_apply: it needs this wave's devices (and
+        # the wave's SyncBatchNorm rendezvous)
+        w.__dict__["_wave_devices"] = devices
+        w.__dict__["_wave_sync"] = sync
+        try:
+            outputs = w.parallel_apply(run, args, kws)
+        finally:
+            w.__dict__.pop("_wave_devices", None)
+            w.__dict__.pop("_wave_sync", None)
+        timers += [float("nan")] * len(devices)
+    else:
+        outputs = apply_replicas(run, args, kws, devices, timers, sync)
+    if replicas[0] is not module and not later:  # a later wave's writes are dropped
+        copy_buffers_back(replicas[0], module)
+    return outputs
+
+
+def gather_all(
+    w: Wrapper,
+    outputs: list[Any],
+    devices: list[torch.device],
+    sizes: list[int],
+    weights: list[float],
+    steps: Overrides,
+    method: str | None = None,
+    origins: Origins | None = None,
+) -> Any:
+    if not w.gather_outputs:
+        return DeviceOutputs(outputs, devices, sizes)
+    if steps.gather:
+        return w.gather(outputs, w.output_device)
+    return gather_outputs(
+        outputs,
+        w.output_device,
+        w.dim,
+        None if steps.scatter else sizes,  # an override chose the chunks: read them
+        w.scalars,
+        weights or None,
+        # (a wrapper unpickled from before has none)
+        w.__dict__.get("output_rules")
+        if method is None
+        else step_rules(outputs[0], w.__dict__.get("output_rules")),
+        w._modules["module"],  # (past nn.Module.__getattr__, on every call)
+        origins,
+    )
+
+
+def shares_count_of(w: Wrapper, kwargs: Mapping[str, Any], plan: Plan, steps: Overrides) -> bool:
+    """Whether this call's chunks each get their share of ``num_items_in_batch``."""
+    default_gather = w.gather_outputs and not steps.gather and not w.__dict__.get("output_rules")
+    chunks = sum(len(wave) for wave in plan.slices)
+    return shares_count(kwargs, w._modules["module"], w.scalars, default_gather, chunks)
+
+
+def weight_total_of(
+    w: Wrapper, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: Overrides
+) -> float:
+    """The total weight of the call's chunks in the scalars' mean (``weight_total``)."""
+
+    def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+        return scatter_wave(w, plan, wave, inputs, kwargs, steps)[:2]
+
+    return weight_total(plan.batch_size, plan.slices, w.scalar_weights, scatter)
