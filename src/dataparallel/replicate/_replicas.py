@@ -1,10 +1,10 @@
 """The replicas of one module on one device tuple: built once, then kept in step with it.
 
-:class:`Replicas` has four jobs, each in its own part below: build the replica objects for a
-structure (one per submodule per device, tied parameters once); tell on each call what changed
-(:class:`dataparallel.replicate._check.Snapshot`, local to this tree and complete); sync the tensors
-each call (parameters shared or copied, private buffer copies); and refill the dictionaries of
-the replicas whose source module was written (attributes, training flags, hooks). What it
+:class:`Replicas` has four jobs: build the replica objects for a structure (one per submodule
+per device, tied parameters once); tell on each call what changed (``_check.Snapshot``, local
+to this tree and complete); sync the tensors each call (parameters shared or copied, private
+buffer copies: its base class, ``_sync.TensorSync``); and refill the dictionaries of the
+replicas whose source module was written (attributes, training flags, hooks). What it
 keeps is a tree of records (``_records``: a ``Source`` per module, a ``Replica`` per device, a
 ``Node`` per replica of a module, a ``Target`` per device the parameters are used on), so no
 two lists have to stay aligned by position.
@@ -16,28 +16,8 @@ What is synced, and why:
   ``model.eval()`` or ``model._parameters["w"] = p`` is seen at the next call); what in it is
   bound to a module of the tree (an instance ``forward``, a bound-method hook) is rebound to
   the replica (``_rebind``);
-- parameters: both attributes and ``_parameters`` entries of the replica, so
-  ``self.parameters()`` inside forward lists what the replica computes with. A replica on a
-  parameter's own device uses the parameter itself (no copy, the gradient lands on it
-  directly). On another device, with grad enabled, every call makes fresh
-  copies (differentiable ones, torch's ``Broadcast`` between CUDA devices and
-  ``param.to(device)`` otherwise, so gradients flow back to the module's own parameters). With
-  grad disabled the copies made by an earlier call without grad are refreshed in place, in one
-  fused copy (no cheap test can tell a parameter changed: fused optimizers and ``p.data``
-  updates do not bump ``_version``);
-- buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
-  running statistics update exactly as in torch, from replica 0's chunk; every other replica
-  has private copies, written in place while nothing else holds them, else made anew.
-
-Copy on write: a tensor that an autograd graph may have saved is never overwritten. Parameter
-copies: only calls with grad enabled build graphs, and they always get new copies; the copies
-refreshed in place were made, and have only been used, by calls without grad (in the same
-mode: inference tensors stay inference tensors). Buffer copies: a graph that saved one holds
-a reference to it (``Tensor._use_count`` above 1), and a graph that saved an alias of it
-(``buf.detach()``, ``buf.data``, a view), which shares its version counter, holds its storage
-(the storage's use count above one per tensor), until backward frees the graph. So two calls
-then one backward, ``max_size`` waves, BatchNorm in ``eval()`` and buffers used as factors,
-directly or through an alias, all differentiate what their own call saw.
+- parameters and buffers: see ``_sync`` (shared where they live, else copied; never
+  overwritten under a live graph).
 
 Compiled submodules: ``torch.compile(child)`` (an ``OptimizedModule``) is looked through, and
 a child compiled in place (``child.compile()``) loses its compiled call on the replicas: each
@@ -47,10 +27,8 @@ once per replica set. Nothing here writes the user's modules.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,15 +51,14 @@ from dataparallel.replicate._records import (
     own_hooks,
     tensor_slots,
 )
+from dataparallel.replicate._sync import TensorSync
 
 __all__ = ["Replicas"]
 
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
-# One fused call for many buffer copies (private in torch, present since 2.1).
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
-class Replicas:
+class Replicas(TensorSync):
     """The replica objects of one module on one device tuple, and what re-syncs them.
 
     Holds the root module only weakly (it is the side table's key); every other source module,
@@ -222,155 +199,6 @@ class Replicas:
     def unchanged(self, root: nn.Module) -> bool:
         """Whether ``root``'s structure is still the one these replicas were built for."""
         return structure_key(self.modules(root)) == self.structure
-
-    # -- parameters -------------------------------------------------------------------------
-
-    def _sync_params(self) -> list[list[torch.Tensor]]:
-        """Per replica, per parameter slot: the tensor it uses."""
-        targets = self.targets
-        if not targets:  # every replica sits on its parameters' devices: share them all
-            return [self.params] * len(self.replicas)  # type: ignore[list-item]
-        mode = _mode()
-        if mode is None:
-            self._copy_fresh()
-        else:
-            for target in targets:
-                self._copy_in_place(target, mode)
-        # New lists: a replica's install compares them with the last ones it got.
-        views = {k: list(t.tensors) if t.remote else t.tensors for k, t in self.views.items()}
-        return [views[r.key] for r in self.replicas]
-
-    def _copy_fresh(self) -> None:
-        """Grad enabled: new copies, differentiable, that no later call ever writes."""
-        params = self.params
-        for source, slots in self.by_source.items():
-            dests = [t for t in self.targets if t.key != source]
-            if not dests:
-                continue
-            for t in dests:
-                t.mode = None  # graph-bound: never refreshed in place
-            if source[0] == "cuda" and all(t.key[0] == "cuda" for t in dests):
-                from torch.nn.parallel._functions import Broadcast
-
-                # One coalesced, differentiable broadcast; its backward is a reduce-add onto
-                # the source device, as in torch.nn.parallel.replicate.
-                indices = [source[1], *(t.key[1] for t in dests)]
-                out = Broadcast.apply(indices, *(params[i] for i in slots))
-                n = len(slots)
-                for d, t in enumerate(dests, start=1):
-                    for s, i in enumerate(slots):
-                        t.tensors[i] = out[d * n + s]
-            else:
-                for t in dests:
-                    for i in slots:
-                        t.tensors[i] = _copy_to(params[i], t.device)
-
-    def _copy_in_place(self, target: Target, mode: str) -> None:
-        """Grad disabled: refresh ``target``'s copies from the module's parameters.
-
-        Every call copies (one fused copy into the existing tensors): no cheap test tells that a
-        parameter changed, since fused optimizers and ``p.data`` updates do not bump
-        ``_version``. The copies are written in place only when a call in this same mode made
-        them (no graph can hold them); otherwise new ones are made.
-        """
-        params, tensors = self.params, target.tensors
-        fresh = target.mode != mode
-        target.mode = None  # until every copy is in ``mode``
-        dests: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        with torch.no_grad():
-            for i in target.remote:
-                p, c = params[i], tensors[i]
-                if fresh or c.shape != p.shape or c.dtype != p.dtype:
-                    tensors[i] = _copy_to(p.detach(), target.device)
-                else:
-                    dests.append(c)
-                    sources.append(p.detach())
-            _copy_all(dests, sources)
-        target.mode = mode
-
-    # -- buffers ----------------------------------------------------------------------------
-
-    def _current_buffers(self, root: nn.Module) -> list[torch.Tensor]:
-        """The module's buffers now: one may have been reassigned (same shape) since the build."""
-        current = list(self.buffers)
-        for s in self.with_buffers:
-            bufs = (root if s.module is None else s.module)._buffers
-            for name, slot in zip(s.buffer_names, s.buffer_slots, strict=True):
-                current[slot] = bufs[name]  # type: ignore[assignment]
-        return current
-
-    def _sync_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """Bring every private buffer copy in line with the module's buffers.
-
-        A copy is written in place only when nothing but this set holds it: its tensor's use
-        count is 1 and no other tensor shares its storage, so no autograd graph saved it or an
-        alias of it (BatchNorm in ``eval()`` and a buffer used as a factor are saved,
-        ``buf.detach()`` and views share its version counter; both counts drop back once the
-        graph is freed). Else a new copy is made. A buffer that requires grad is copied
-        differentiably on every call with grad enabled, as torch broadcasts it. The writes are
-        one fused copy: BatchNorm updates running statistics without bumping ``_version``, so
-        no cheap test can tell that either side changed.
-        """
-        if not self.buffers:  # no buffer, no copy (a buffer added later is a new structure)
-            return
-        mode = _mode()
-        inference = mode == "inference"
-        ready = self.ready
-        if (
-            ready is not None
-            and ready.inference == inference
-            and ready.buffers is buffers
-            and max(map(_USE_COUNT, ready.dests), default=1) == 1
-            and max(map(_STORAGE_USE_COUNT, ready.storages), default=_ALONE) == _ALONE
-            and list(map(_SHAPE, ready.watched)) == ready.shapes
-        ):
-            try:  # every copy free to write, as the last call left them
-                _copy_all(ready.dests, ready.sources)
-                return
-            except RuntimeError:  # pragma: no cover - the careful path says why
-                pass
-        self.ready = None
-        dests: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        reusable = True
-        with torch.no_grad():
-            for replica in self.replicas:
-                row, device = replica.private, replica.device
-                for i in replica.private_slots:
-                    b = buffers[i]
-                    mine = row[i]
-                    if mode is None and b.requires_grad:
-                        with torch.enable_grad():
-                            row[i] = _copy_to(b, device)
-                        reusable = False
-                    elif (
-                        mine is NOT_YET
-                        or mine is None
-                        or mine.is_inference() != inference
-                        or mine.shape != b.shape
-                        or mine.dtype != b.dtype
-                        or _USE_COUNT(mine) != 1
-                        or _aliased(mine)
-                    ):
-                        row[i] = _copy_to(b.detach(), device)
-                    else:
-                        dests.append(mine)
-                        # The buffer itself, not an alias: an alias would keep reading the old
-                        # data after ``b.set_(t)`` or ``swap_tensors`` (the copy runs without grad).
-                        sources.append(b)
-            _copy_all(dests, sources)
-        if reusable:
-            # Next time, in this mode, on these buffers: one fused copy and nothing else.
-            mine_all: list[torch.Tensor] = []
-            theirs: list[torch.Tensor] = []
-            for replica in self.replicas:
-                for i in replica.private_slots:
-                    mine_all.append(replica.private[i])  # type: ignore[arg-type]
-                    theirs.append(buffers[i])
-            # A copy with no storage to count (sparse): the careful path on every call.
-            with contextlib.suppress(RuntimeError, TypeError, NotImplementedError):
-                self.ready = Ready(inference, buffers, mine_all, theirs)
 
     # -- the whole sync ---------------------------------------------------------------------
 
@@ -559,60 +387,3 @@ class Replicas:
             table: dict[str, torch.Tensor | None] = dict.fromkeys(none_params)
             table.update(attrs)
             rep.__dict__["_parameters"] = table
-
-
-def _mode() -> str | None:
-    """The grad mode of this call: ``None`` when grad is enabled (a graph may save what the
-    call uses), else ``"inference"`` or ``"no_grad"`` (tensors made in one cannot be written
-    in the other)."""
-    if torch.is_grad_enabled():
-        return None
-    return "inference" if torch.is_inference_mode_enabled() else "no_grad"
-
-
-def _held_elsewhere(tensor: torch.Tensor) -> int:
-    return 2  # no use count to read (a torch without it): never write a copy in place
-
-
-# How many owners a tensor has (1: only its Python object; a graph that saved it is another).
-_USE_COUNT: Callable[[torch.Tensor], int] = getattr(torch.Tensor, "_use_count", _held_elsewhere)
-
-# How many owners a storage has, from its address (``UntypedStorage._cdata``): one per tensor
-# on it, and one for its Python object (kept alive by whoever holds it, and only ever one).
-# So a private copy alone on its storage reads ``_ALONE`` while we hold its Python object;
-# an alias (``.detach()``, ``.data``, a view) a graph saved adds one.
-_ALONE = 2
-_SHAPE = operator.attrgetter("shape")
-_STORAGE_USE_COUNT: Callable[[int], int] = getattr(
-    torch._C, "_storage_Use_Count", lambda cdata: _ALONE + 1
-)
-
-
-def _aliased(tensor: torch.Tensor) -> bool:
-    """Whether another tensor may share ``tensor``'s storage (an alias a graph may have
-    saved): always, for a tensor with no storage to count (sparse, a wrapper subclass)."""
-    try:
-        return _STORAGE_USE_COUNT(tensor.untyped_storage()._cdata) > _ALONE
-    except (RuntimeError, TypeError, NotImplementedError):
-        return True
-
-
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A new tensor with ``tensor``'s value on ``device`` (differentiable where it requires
-    grad). On the tensor's own device (``"cpu:1"`` is the CPU) a clone, which costs half of
-    ``.to(device, copy=True)``'s dispatch."""
-    here = tensor.device
-    if here.type == device.type and (here.type == "cpu" or here.index == device.index):
-        return tensor.clone()
-    return tensor.to(device, copy=True)
-
-
-def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    if not dests:
-        return
-    with torch.no_grad():
-        if _FOREACH_COPY is not None:
-            _FOREACH_COPY(dests, sources)
-        else:  # pragma: no cover - torch without the fused copy
-            for dest, source in zip(dests, sources, strict=True):
-                dest.copy_(source)
