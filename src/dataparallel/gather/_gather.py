@@ -6,16 +6,15 @@ is, under the guide's gather rules (docs/guide.md): batched tensors are concaten
 averaged by chunk size, per-sample lists joined, structures rebuilt with their own type, and
 everything else kept once when the replicas agree.
 
-The walk dispatches once per value on its class (cached), and builds argument paths such as
-``output['attn']`` only when a message needs one. With one replica it is a plain walk that moves
-tensors to the target device and rebuilds only containers whose contents moved.
+This module holds the entry points and what one gather call needs (``_Context``); the walk
+over the outputs, rule by rule, is ``_walk``'s. With one replica, a gather is a plain walk that
+moves tensors to the target device and rebuilds only containers whose contents moved.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -23,70 +22,32 @@ import torch
 from torch import nn
 
 from dataparallel._common.checks import (
-    check_chunk_sizes_of,
     check_gather_sizes,
     check_scalar_weights,
-    concat_error,
 )
-from dataparallel._common.packed import gather_packed, is_packed
 from dataparallel._common.tree import (
     ARRAY,
-    BOOL,
-    DATACLASS,
-    LIST,
-    MAPPING,
-    NAMEDTUPLE,
-    NONE,
-    NUMBER,
-    OTHER,
-    RECORD,
-    SHAPE,
-    STRUCTURES,
     TENSOR,
-    TUPLE,
-    Kind,
     TooDeep,
-    fields_of,
-    item_types,
     kind_of,
     leaves,
-    rebuild_mapping,
-    rebuild_record,
-    rebuild_sequence,
 )
-from dataparallel._common.warn import warn_user
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.gather._output_rules import (
-    apply_rule,
     check_output_rules,
-    hidden_state,
-    note_roles,
     rnn_state_shapes,
     warn_unmatched,
 )
 from dataparallel.gather._outputs import (
-    ATOMS,
-    all_equal,
-    arrays_equal,
-    fmt,
-    rebuild_at,
     to_target,
 )
-from dataparallel.gather._scalars import gather_scalars
+from dataparallel.gather._walk import walk
 
 __all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
 
 ScalarMode = Literal["mean", "sum", "stack"]
-_SHAPE = operator.attrgetter("shape")
-_IS_CPU = operator.attrgetter("is_cpu")  # True for CPU tensors only (not meta, not CUDA)
-_CPU = torch.device("cpu")  # equal only to device(type='cpu'), not to 'cpu:0'
 _SCALAR_MODES = ("mean", "sum", "stack")
-
-# A path is a chain of (parent, accessor, key) tuples, None at the root; it is formatted only
-# for a message, so the walk pays nothing for it.
-_Path = Any
-_Ctx = Any  # a _Context; Any keeps the handler table simple to type
 
 
 class _Context:
@@ -267,7 +228,7 @@ def gather_outputs(
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
         ctx.origins = origins
-        out = _gather(outputs, None, ctx)
+        out = walk(outputs, None, ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
         return out
@@ -322,272 +283,3 @@ def first_batch_size(obj: Any, dim: int) -> int | None:
         if kind in (TENSOR, ARRAY) and -leaf.ndim <= dim < leaf.ndim:
             return int(leaf.shape[dim])
     return None
-
-
-# ---------------------------------------------------------------------------- the walk
-
-
-def _gather(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    if ctx.rules is not None:
-        where = fmt(path)
-        ctx.seen.append(where)
-        if where in ctx.rules:
-            return apply_rule(values, where, ctx.rules[where], ctx, _concat)
-    cls = type(values[0])
-    kind = kind_of(values[0])
-    for value in values:
-        if type(value) is not cls:
-            if kind_of(value) != kind:
-                return _gather_mixed(values, path, ctx)
-            if kind in STRUCTURES:  # a dict and an OrderedDict, two namedtuple classes
-                raise _mismatch(path, "type", [type(v).__name__ for v in values])
-    return _HANDLERS[kind](values, path, ctx)
-
-
-def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rules 1 and 3 for tensors and ndarrays (0-dim ones are scalars, rule 2)."""
-    if all(v.ndim == 0 for v in values):
-        return gather_scalars(values, path, ctx)
-    is_tensor = isinstance(values[0], torch.Tensor)
-    if is_tensor:
-        target = ctx.target
-        # A plain tensor already on the target is what ``.to`` would return: itself.
-        values = [
-            v if type(v) is torch.Tensor and v.device == target else v.to(target) for v in values
-        ]
-    if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
-        return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
-    if not _batched(values, ctx):
-        if arrays_equal(values):
-            return values[0]
-        if ctx.sizes is not None:
-            check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
-        _warn_concat(values, path, ctx)
-    try:
-        if is_tensor:
-            return torch.cat(values, ctx.dim)
-        return np.concatenate(values, axis=ctx.dim)
-    except (RuntimeError, ValueError) as exc:
-        raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
-
-
-def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
-    try:
-        if isinstance(values[0], torch.Tensor):
-            return torch.cat([v.to(ctx.target) for v in values], dim)
-        return np.concatenate(values, axis=dim)
-    except (RuntimeError, ValueError, IndexError) as exc:
-        raise concat_error(values, where or fmt(path), dim, ctx.sizes) from exc
-
-
-def _batched(values: list[Any], ctx: _Ctx) -> bool:
-    if ctx.sizes is None:
-        return False
-    dim = ctx.dim
-    for v, size in zip(values, ctx.sizes, strict=True):  # a loop: no generator to start
-        ndim = v.ndim
-        if not (-ndim <= dim < ndim and v.shape[dim] == size):
-            return False
-    return True
-
-
-def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
-    dim = ctx.dim
-    shapes = [tuple(v.shape) for v in values]
-    ndim = len(shapes[0])
-    ok = -ndim <= dim < ndim and all(len(s) == ndim for s in shapes)
-    if ok:
-        d = dim % ndim
-        ok = len({s[:d] + s[d + 1 :] for s in shapes}) == 1
-    if not ok:
-        listing = ", ".join(f"replica {i} has shape {s}" for i, s in enumerate(shapes))
-        raise ValueError(
-            f"{fmt(path)}: cannot concatenate the replicas' outputs along dim {dim}: "
-            f"{listing}; expected the same shape on every replica except along dim {dim}. "
-            f"Return the same value on every replica, a batch-sized one, or use gather=False "
-            f"to handle the per-replica outputs yourself"
-        )
-    sizes = "unknown" if ctx.sizes is None else list(ctx.sizes)
-    warn_user(
-        f"{fmt(path)}: the replicas returned different values of shapes {shapes}, whose size "
-        f"along dim {dim} is not their chunk size (chunk sizes: {sizes}); concatenated them "
-        f"along dim {dim}, as torch.nn.DataParallel does. If this output is not batched, "
-        f"return the same value on every replica; if it is, give it the chunk size along dim "
-        f"{dim}; or use gather=False to handle the per-replica outputs yourself"
-    )
-
-
-def _gather_others(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 6: once if equal on every replica, else one per replica."""
-    return values[0] if all_equal(values) else list(values)
-
-
-def _gather_mixed(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    kinds = [kind_of(v) for v in values]
-    if all(k in (NONE, SHAPE, OTHER) for k in kinds):
-        return _gather_others(values, path, ctx)
-    if all(
-        k in (NUMBER, BOOL) or (k in (TENSOR, ARRAY) and v.ndim == 0)
-        for k, v in zip(kinds, values, strict=True)
-    ):
-        return gather_scalars(values, path, ctx)  # e.g. a loss that is 0.0 on one replica
-    raise _mismatch(path, "type", [type(v).__name__ for v in values])
-
-
-def _mismatch(path: _Path, what: str, found: list[Any]) -> ValueError:
-    listing = ", ".join(f"replica {i} has {item}" for i, item in enumerate(found))
-    return ValueError(
-        f"{fmt(path)}: replicas disagree on the {what}: {listing}; expected the same "
-        f"structure from every replica. Make forward return the same {what} on every replica, "
-        f"or use gather=False to handle the per-replica outputs yourself"
-    )
-
-
-def _gather_lists(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 4: per-sample lists are concatenated; same-length lists are structure. Where the
-    chunk sizes are unknown (``gather`` without ``chunk_sizes`` on outputs with no batched
-    tensor), nothing tells the two apart: the replicas' lists are concatenated in replica
-    order (accelerate's ``gather_object``), except lists of 0-dim tensors (losses, metrics)."""
-    first = values[0]
-    if ctx.sizes is None:
-        if not _all_scalar_tensors(values):
-            return _concat_lists(values, path, ctx)
-    else:
-        types = _per_sample(values, ctx.sizes, ctx.dim)
-        if types is not None:
-            return _concat_lists(values, path, ctx, types)
-    n = len(first)
-    if any(len(v) != n for v in values):
-        return _concat_lists(values, path, ctx)
-    items = [_gather([v[i] for v in values], (path, "[", i), ctx) for i in range(n)]
-    return rebuild_at(path, rebuild_sequence, first, items)
-
-
-def _all_scalar_tensors(values: list[Any]) -> bool:
-    """Whether every replica's list is non-empty and holds only 0-dim tensors or ndarrays."""
-    return all(
-        value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value)
-        for value in values
-    )
-
-
-def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set[type]] | None:
-    """Whether the replicas' lists are per-sample: ``None`` when not, else each list's set of
-    item types (for ``_concat_lists``)."""
-    if any(len(v) != size for v, size in zip(values, sizes, strict=True)):
-        return None
-    found: list[set[type]] = []
-    for value, size in zip(values, sizes, strict=True):
-        types = item_types(value)
-        found.append(types)
-        if types <= ATOMS:
-            continue  # strings, numbers: no tensor to look at
-        if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
-            return None  # 0-dim tensors are scalars (losses, metrics): the list is structure
-        if types == {torch.Tensor} and dim >= 0:
-            if _any_batched(value, dim, size):
-                return None  # a batched tensor: the list is structure (torch's reading)
-            continue
-        for item in value:
-            if (
-                isinstance(item, (torch.Tensor, np.ndarray))
-                and -item.ndim <= dim < item.ndim
-                and item.shape[dim] == size
-            ):
-                return None  # a batched tensor: the list is structure (torch's reading)
-    return found
-
-
-def _any_batched(tensors: list[torch.Tensor], dim: int, size: int) -> bool:
-    """Whether any of ``tensors`` (all exact ``torch.Tensor``, ``dim >= 0``) has ``size``
-    along ``dim``."""
-    try:
-        # Every shape read at C speed. A tensor without dim ``dim`` (IndexError) or without
-        # sizes (a nested tensor: RuntimeError) fails it: the item-by-item reading below then
-        # decides, as if this line were not there (reading a shape changes nothing).
-        return size in map(operator.itemgetter(dim), map(_SHAPE, tensors))
-    except Exception:
-        return any(t.ndim > dim and t.shape[dim] == size for t in tensors)
-
-
-def _concat_lists(
-    values: list[Any], path: _Path, ctx: _Ctx, types_of: list[set[type]] | None = None
-) -> Any:
-    """The replicas' lists joined in order, tensors moved to the target. ``types_of``: each
-    list's set of item types, when the caller has read them."""
-    target = ctx.target
-    items: list[Any] = []
-    for i, value in enumerate(values):
-        types = item_types(value) if types_of is None else types_of[i]
-        if types <= ATOMS:
-            items.extend(value)  # nothing to move
-        elif types == {torch.Tensor} and target == _CPU and all(map(_IS_CPU, value)):
-            # Every tensor is on the CPU (whose tensors all report device(type='cpu'), never
-            # an index): each is already on ``target``, as the line below would find.
-            items.extend(value)
-        elif types == {torch.Tensor}:
-            # What to_target does for a tensor, minus the call when it is already there.
-            items.extend([t if t.device == target else t.to(target) for t in value])
-        else:
-            items.extend([to_target(item, target, path) for item in value])
-    return rebuild_at(path, rebuild_sequence, values[0], items)
-
-
-def _gather_tuples(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 5 for tuples and namedtuples."""
-    first = values[0]
-    if is_packed(first):  # sequences, not a namedtuple of four batched fields
-        return gather_packed(values, ctx.target)
-    n = len(first)
-    if any(len(v) != n for v in values):
-        raise _mismatch(path, "length", [f"length {len(v)}" for v in values])
-    if n == 2 and type(first) is tuple and ctx.sizes is not None:
-        note_roles(first, path, ctx)  # where an RNN's (output, state) may be
-    names = getattr(type(first), "_fields", None)
-    items = [
-        _gather([v[i] for v in values], (path, ".", names[i]) if names else (path, "[", i), ctx)
-        for i in range(n)
-    ]
-    return rebuild_at(path, rebuild_sequence, first, items)
-
-
-def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 5 for Mappings, and model-output classes (a Mapping that is also a dataclass)."""
-    first = values[0]
-    keys = first.keys()
-    if any(v.keys() != keys for v in values[1:]):
-        raise _mismatch(path, "keys", [list(v.keys()) for v in values])
-    data = {k: _gather([v[k] for v in values], (path, "[", k), ctx) for k in keys}
-    if not dataclasses.is_dataclass(first):
-        return rebuild_at(path, rebuild_mapping, first, data)
-    extra = _gather_fields(values, path, ctx, [n for n in fields_of(type(first)) if n not in data])
-    return rebuild_at(path, rebuild_record, first, extra, data)
-
-
-def _gather_fields(
-    values: list[Any], path: _Path, ctx: _Ctx, names: Iterable[str]
-) -> list[tuple[str, Any]]:
-    return [(n, _gather([getattr(v, n) for v in values], (path, ".", n), ctx)) for n in names]
-
-
-def _gather_dataclasses(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
-    """Rule 5 for dataclasses (frozen ones and init=False fields included)."""
-    fields = _gather_fields(values, path, ctx, fields_of(type(values[0])))
-    return rebuild_at(path, rebuild_record, values[0], fields)
-
-
-_HANDLERS: dict[Kind, Callable[[list[Any], _Path, _Ctx], Any]] = {
-    NONE: _gather_others,
-    TENSOR: _gather_arrays,
-    ARRAY: _gather_arrays,
-    BOOL: gather_scalars,
-    NUMBER: gather_scalars,
-    SHAPE: _gather_others,  # a shape is a value, not a tuple of numbers to average
-    LIST: _gather_lists,
-    TUPLE: _gather_tuples,
-    NAMEDTUPLE: _gather_tuples,
-    MAPPING: _gather_mappings,
-    DATACLASS: _gather_dataclasses,
-    RECORD: _gather_mappings,
-    OTHER: _gather_others,
-}
