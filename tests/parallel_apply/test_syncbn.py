@@ -1,6 +1,6 @@
 """``nn.SyncBatchNorm`` inside ``DataParallel``: whole-batch statistics over the replicas of one
-call (``dataparallel.parallel_apply._syncbn``), checked against the one-device oracle: the same
-module with plain BatchNorm run on the whole batch."""
+call (``dataparallel.parallel_apply._syncbn`` and ``._rendezvous``), checked against the
+one-device oracle: the same module with plain BatchNorm run on the whole batch."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ process-wide pool of worker threads.
 
 ``_apply`` holds the pool and the runs; the caller's thread state that each worker replays
 (``_thread_state``), the timers of each run (``_spans``) and ``nn.SyncBatchNorm`` across the
-replicas of one call (``_syncbn``) live beside it.
+replicas of one call (``_syncbn``: which layers, and when; ``_rendezvous``: where the replicas
+meet and exchange their statistics) live beside it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ take their numbers in a racing order, so dropout would differ between two runs w
 seed. Without it they run at once and CPU lists are not reproducible. ``in_order`` is the one
 test of all the cases in which replicas run one after another.
 
-A call's ``nn.SyncBatchNorm`` rendezvous (``_syncbn``) is marked concurrent
+A call's ``nn.SyncBatchNorm`` rendezvous (``_rendezvous``) is marked concurrent
 only on the path that runs the replicas at once; on every path that runs them one after
 another its layers act per chunk, so no replica ever waits for one that runs after it.
 
@@ -64,8 +64,8 @@ from torch import nn
 
 from dataparallel.devices import DeviceSpec, check_runnable, device_type, resolve_devices
 from dataparallel.parallel_apply import _thread_state as thread_state
+from dataparallel.parallel_apply._rendezvous import ReplicaFailed, SyncCall
 from dataparallel.parallel_apply._spans import Span, cuda_pool
-from dataparallel.parallel_apply._syncbn import ReplicaFailed, SyncCall
 from dataparallel.parallel_apply._thread_state import Replay
 from dataparallel.replicate import SERIAL
 
@@ -359,8 +359,9 @@ def parallel_apply(
             on the CPU; on CUDA a ``_spans.Span`` of pooled events on the
             replica's stream, whose ``float()`` gives the seconds (waiting for the stream only
             then, not per call).
-        syncbn: the call's SyncBatchNorm rendezvous (``DataParallel`` makes it; see
-            ``_syncbn``); without it each replica's layers act per chunk.
+        syncbn: the call's SyncBatchNorm rendezvous (``DataParallel`` makes it with
+            ``_syncbn.sync_call``; see ``_rendezvous``); without it each replica's layers act
+            per chunk.
 
     Returns:
         The outputs, in the order of ``modules``.
