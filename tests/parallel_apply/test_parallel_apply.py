@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dataparallel.parallel_apply import describe_inputs, parallel_apply
-from dataparallel.parallel_apply._apply import THREAD_PREFIX
+from dataparallel.parallel_apply._pool import THREAD_PREFIX
 from dataparallel.replicate import replicate
 
 CPU3 = ["cpu", "cpu", "cpu"]

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import dataparallel as dp
 from dataparallel.parallel_apply import _thread_state as thread_state
-from dataparallel.parallel_apply._apply import THREAD_PREFIX
+from dataparallel.parallel_apply._pool import THREAD_PREFIX
 
 DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
 ROWS = 7  # uneven on 2 and on 3 replicas

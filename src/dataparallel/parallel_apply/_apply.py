@@ -1,24 +1,9 @@
-"""Run each replica on its device, on a process-wide pool of long-lived worker threads.
+"""Run each replica on its device: at once on the worker pool, or one after another.
 
-``torch.nn.parallel.parallel_apply`` starts one thread per replica on every call. Here each
-(device, replica slot) has one daemon worker thread, named ``dataparallel-<device>-<slot>``
-(``dataparallel-cpu-1``, ``dataparallel-cuda:1-0``), created on first use and reused by every
-later call from any caller; a call costs one queue put and one ``Event`` wait per extra replica.
-Replica 0 runs on the calling thread, while the others run on their workers: the caller would
-only wait otherwise (so slot 0 of a device gets a worker only when it is not replica 0's).
-
-Each task replays the caller's context in its worker:
-
-- grad mode (``torch.is_grad_enabled()``);
-- inference mode, a default device (``torch.set_default_device``) and the caller's
-  ``contextvars`` (see :mod:`dataparallel.parallel_apply._thread_state`);
-- autocast: the state (enabled, dtype) for the replica's device type, and the CPU autocast
-  state too when the device is not the CPU;
-- on CUDA, the device (``torch.cuda.device``) and a stream: the first replica on a device runs
-  on the caller's current stream of that device, as in torch. A device listed again (``[0, 0]``)
-  gets one pool-owned side stream per extra slot, so replicas on one GPU overlap: the side
-  stream first waits for the caller's stream (inputs are ready), and the caller's stream then
-  waits for the side stream (outputs are ready before the caller uses them).
+``parallel_apply`` checks its arguments; ``apply_replicas`` makes a task per replica
+(:mod:`dataparallel.parallel_apply._task`: the caller's context it replays, its errors) and
+picks the path. At once, replica 0 runs on the calling thread while the others run on their
+(device, slot) workers (:mod:`dataparallel.parallel_apply._pool`).
 
 State a worker cannot share (a ``torch.func`` transform, a dispatch mode or another function
 mode, saved-tensor hooks) makes the call run every replica inline on the caller's thread, one
@@ -40,23 +25,13 @@ A call's ``nn.SyncBatchNorm`` rendezvous (``_rendezvous``) is marked concurrent
 only on the path that runs the replicas at once; on every path that runs them one after
 another its layers act per chunk, so no replica ever waits for one that runs after it.
 
-An exception in a replica is re-raised in the caller after every replica has finished, with the
-same type where it can be built from one message, naming the replica, its device and its input
-shapes, and chained from the original (whose traceback shows). Workers survive every error,
-``KeyboardInterrupt`` included, so the next call uses the same threads. A Ctrl-C in the caller
-waits for the replicas already running to finish their chunk (``_run_on_pool`` says why).
+An exception in a replica is re-raised in the caller after every replica has finished, naming
+the replica, its device and its input shapes (``_task._reraise``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
-import os
-import queue
-import threading
-from _thread import allocate_lock as _allocate_lock
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -64,276 +39,19 @@ from torch import nn
 
 from dataparallel.devices import DeviceSpec, check_runnable, device_type, resolve_devices
 from dataparallel.parallel_apply import _thread_state as thread_state
-from dataparallel.parallel_apply._rendezvous import ReplicaFailed, SyncCall
-from dataparallel.parallel_apply._spans import Span, cuda_pool
-from dataparallel.parallel_apply._thread_state import Replay
+from dataparallel.parallel_apply._pool import _local, _run_on_pool, _side_stream
+from dataparallel.parallel_apply._rendezvous import SyncCall
+from dataparallel.parallel_apply._task import (
+    _autocast_state,
+    _execute,
+    _execute_first,
+    _reraise,
+    _span,
+    _Task,
+)
 from dataparallel.replicate import SERIAL
 
-__all__ = ["apply_replicas", "describe_inputs", "in_order", "parallel_apply", "wait_for"]
-
-THREAD_PREFIX = "dataparallel-"
-
-_local = threading.local()  # .in_worker: set in pool threads (nested calls run inline)
-_pool_lock = threading.Lock()
-# keyed by (device, slot): "cpu" and "cpu:1" are two devices, as their names are
-_workers: dict[tuple[torch.device, int], _Worker] = {}
-_side_streams: dict[tuple[str, int], Any] = {}
-_pool_pid = os.getpid()
-
-
-# -- context capture and replay ---------------------------------------------------------------
-
-
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
-    """(enabled, dtype) of the caller's autocast for ``device_type``, on torch 2.1 and later."""
-    try:
-        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):  # torch < 2.4: per-device functions
-        if device_type == "cpu":
-            return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-        if device_type == "cuda":
-            return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-        return False, torch.float32
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Task:
-    """One replica's work and its result; ``done`` is released by whoever ran it.
-
-    ``done`` is a bare lock, taken at creation: releasing it is the signal, acquiring it the
-    wait (a ``threading.Event`` builds a condition and a lock per task, four times the cost).
-    """
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    device: torch.device
-    grad: bool
-    autocast: list[tuple[str, torch.dtype]]
-    stream: Any  # the caller's current stream on a CUDA device, else None
-    side: Any  # a pool side stream for a repeated CUDA device, else None
-    sync: bool  # time the replica (on CUDA: with pooled events, read later)
-    span: Span | None = None
-    # Set by apply_replicas for a task that goes to a worker: the caller's thread state to
-    # enter there, and a copy of its contextvars (None when it has none).
-    replay: Replay = ()
-    context: contextvars.Context | None = None
-    result: Any = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    finished: bool = False  # set by whoever ran or skipped it, then ``done`` is released
-    done: Any = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.done = _allocate_lock()
-        self.done.acquire()
-
-
-def _execute(task: _Task) -> None:
-    """Run one task with the caller's context; never raises (errors are stored)."""
-    if task.stream is None and not task.autocast and not task.replay:
-        # A CPU replica without autocast: only the grad mode to replay. Set as a function (no
-        # context manager to build and exit): the worker's thread sets it for every task.
-        try:
-            torch.set_grad_enabled(task.grad)
-            _run(task, None)
-        except BaseException as exc:
-            task.error = exc
-        return
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(task.grad))
-            for device_type, dtype in task.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
-            for enter in task.replay:
-                stack.enter_context(enter())
-            stream = None
-            if task.stream is not None:
-                stack.enter_context(torch.cuda.device(task.device))
-                stream = task.stream
-                if task.side is not None:
-                    task.side.wait_stream(task.stream)
-                    stream = task.side
-                stack.enter_context(torch.cuda.stream(stream))
-            _run(task, stream)
-    except BaseException as exc:  # KeyboardInterrupt too: the worker must live
-        task.error = exc
-
-
-def _span(device: torch.device, stream: Any) -> Span:
-    """Start timing a replica: the one place replicas are timed (a CUDA replica on ``stream``,
-    with events from its device's pool; any other with the wall clock)."""
-    return Span() if stream is None else Span(cuda_pool(device), stream)
-
-
-def _run(task: _Task, stream: Any) -> None:
-    """The replica's forward, timed by a span when asked."""
-    if task.sync:
-        task.span = _span(task.device, stream)
-    try:
-        task.result = task.module(*task.args, **task.kwargs)
-    finally:
-        if task.span is not None:
-            task.span.stop()
-        if task.side is not None:
-            task.stream.wait_stream(task.side)
-
-
-def _execute_here(task: _Task) -> None:
-    """Run a CPU task on the calling thread: its grad mode and autocast are the caller's own
-    already, so nothing is replayed (the cost of one replica on one device is the forward)."""
-    try:
-        _run(task, None)
-    except BaseException as exc:
-        task.error = exc
-
-
-class _Worker:
-    """A daemon thread that runs tasks from its queue, forever."""
-
-    def __init__(self, name: str) -> None:
-        self.tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        _local.in_worker = True
-        while True:
-            task = self.tasks.get()
-            try:
-                if task.cancelled:
-                    pass
-                elif task.context is None:
-                    _execute(task)
-                else:
-                    task.context.run(_execute, task)
-            finally:
-                task.finished = True
-                task.done.release()
-                del task  # drop the module and outputs before blocking again
-
-
-def _worker(device: torch.device, slot: int) -> _Worker:
-    global _pool_pid
-    key = (device, slot)  # (not its name: str(device) costs more than the rest of the lookup)
-    worker = _workers.get(key)
-    if worker is not None and _pool_pid == os.getpid():
-        return worker
-    with _pool_lock:
-        if _pool_pid != os.getpid():  # a forked child inherits the table but not the threads
-            _workers.clear()
-            _side_streams.clear()
-            _pool_pid = os.getpid()
-        worker = _workers.get(key)
-        if worker is None:
-            worker = _workers[key] = _Worker(f"{THREAD_PREFIX}{device}-{slot}")
-        return worker
-
-
-def _side_stream(device: torch.device, slot: int) -> Any:
-    key = (str(device), slot)
-    stream = _side_streams.get(key)
-    if stream is None:
-        with _pool_lock:
-            stream = _side_streams.get(key)
-            if stream is None:
-                stream = _side_streams[key] = torch.cuda.Stream(device)
-    return stream
-
-
-# -- errors --------------------------------------------------------------------------------------
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"Tensor[{', '.join(str(s) for s in value.shape)}]"
-    shape = getattr(value, "shape", None)
-    if isinstance(shape, tuple) and not isinstance(value, type):
-        return f"{type(value).__name__}[{', '.join(str(s) for s in shape)}]"
-    if isinstance(value, (list, tuple, dict)) or (
-        isinstance(value, (Sequence, Mapping)) and not isinstance(value, (str, bytes))
-    ):
-        return f"{type(value).__name__}[{len(value)}]"
-    return type(value).__name__
-
-
-def describe_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str:
-    """A short description of one replica's arguments: ``(Tensor[5, 3], list[2], k=int)``.
-
-    >>> describe_inputs((torch.zeros(5, 3), [1, 2]), {"k": 3})
-    '(Tensor[5, 3], list[2], k=int)'
-    """
-    parts = [_describe(a) for a in args]
-    parts += [f"{k}={_describe(v)}" for k, v in (kwargs or {}).items()]
-    return f"({', '.join(parts)})"
-
-
-def _reraise(tasks: list[_Task], why: str = "") -> None:
-    """Raise the first stored error as described in the module docstring; ``why`` is added
-    to the message when the replicas ran inline because of the caller's thread state."""
-    failed = [i for i, t in enumerate(tasks) if t.error is not None]
-    if not failed:
-        return
-    # A replica released from a SyncBatchNorm wait by another's failure reports that one's.
-    released = [isinstance(t.error, ReplicaFailed) for t in tasks]
-    failed.sort(key=released.__getitem__)
-    i = failed[0]
-    task = tasks[i]
-    original = cast(BaseException, task.error)
-    # Each stored error's traceback holds the frame that ran its task, and the task holds the
-    # error: a reference cycle that would keep the module, replicas and inputs alive until the
-    # garbage collector runs. Cut it here.
-    for t in tasks:
-        t.error = None
-    others = f" (replicas {failed[1:]} failed too)" if len(failed) > 1 else ""
-    message = (
-        f"replica {i} on {task.device}, inputs {describe_inputs(task.args, task.kwargs)}: "
-        f"{original}{others}"
-    )
-    if why:
-        message += (
-            f" (the replicas ran one after another on the calling thread, under {why}; it "
-            f"fails the same way on one device, or the transform or mode cannot run this module)"
-        )
-    error: BaseException
-    if isinstance(original, SystemExit):
-        error = SystemExit(original.code)  # the exit status is the message: keep it
-        if hasattr(error, "add_note"):
-            error.add_note(message)
-    else:
-        try:
-            error = type(original)(message)
-        except Exception:  # a type that needs more than one argument
-            error = RuntimeError(f"{type(original).__name__}: {message}")
-    try:
-        raise error from original
-    finally:
-        # This frame is in the raised error's traceback: holding the error in a local would be
-        # a cycle too.
-        del error, original, task, tasks
-
-
-# -- the public function ----------------------------------------------------------------------
-
-
-def _infer_device(
-    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> torch.device:
-    stack: list[Any] = [*args, *kwargs.values()]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, torch.Tensor):
-            return item.device
-        if isinstance(item, (list, tuple)):
-            stack[:0] = list(item)
-        elif isinstance(item, Mapping):
-            stack[:0] = list(item.values())
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    for value in module.__dict__.values():  # a replica keeps its parameters as plain attributes
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
+__all__ = ["apply_replicas", "in_order", "parallel_apply", "wait_for"]
 
 
 def parallel_apply(
@@ -509,6 +227,54 @@ def apply_replicas(
     return [t.result for t in tasks]
 
 
+def _apply_here(
+    module: nn.Module,
+    args: Any,
+    kwargs: Mapping[str, Any],
+    device: torch.device,
+    timings: list[Any] | None,
+) -> Any:
+    """One CPU replica on the calling thread: the forward, timed, and nothing else to set up
+    (the caller's grad mode and autocast are its own). An error is re-raised as any replica's
+    is, naming the replica, its device and its inputs."""
+    if not isinstance(args, tuple):
+        args = (args,)
+    span = None if timings is None else _span(device, None)
+    try:
+        result = module(*args, **kwargs)
+    except BaseException as exc:
+        task = _Task(module, args, kwargs, device, True, [], None, None, False)
+        task.error = exc
+        del exc
+        _reraise([task])
+    if span is not None:
+        span.stop()
+        timings.append(span.value)  # type: ignore[union-attr]
+    return result
+
+
+def _infer_device(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> torch.device:
+    """The device of the first tensor in the arguments (depth first), else of the module's
+    first tensor (a parameter, a buffer, or a replica's plain tensor attribute), else the CPU."""
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return item.device
+        if isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+        elif isinstance(item, Mapping):
+            stack[:0] = list(item.values())
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    for value in module.__dict__.values():  # a replica keeps its parameters as plain attributes
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
 def _shared_generator(devices: Sequence[torch.device]) -> bool:
     """Whether two replicas draw from one random generator: every CPU replica shares the one
     CPU generator, replicas on one GPU (``[0, 0]``) share that GPU's."""
@@ -556,77 +322,3 @@ def wait_for(lock: Any) -> None:
             "replica then gets its own copy"
         )
     lock.acquire()
-
-
-def _apply_here(
-    module: nn.Module,
-    args: Any,
-    kwargs: Mapping[str, Any],
-    device: torch.device,
-    timings: list[Any] | None,
-) -> Any:
-    """One CPU replica on the calling thread: the forward, timed, and nothing else to set up
-    (the caller's grad mode and autocast are its own). An error is re-raised as any replica's
-    is, naming the replica, its device and its inputs."""
-    if not isinstance(args, tuple):
-        args = (args,)
-    span = None if timings is None else _span(device, None)
-    try:
-        result = module(*args, **kwargs)
-    except BaseException as exc:
-        task = _Task(module, args, kwargs, device, True, [], None, None, False)
-        task.error = exc
-        del exc
-        _reraise([task])
-    if span is not None:
-        span.stop()
-        timings.append(span.value)  # type: ignore[union-attr]
-    return result
-
-
-def _execute_first(task: _Task) -> None:
-    """Run the first task on the calling thread (a CPU one without replaying any context)."""
-    if task.stream is None:
-        _execute_here(task)
-    else:
-        _execute(task)
-
-
-def _run_on_pool(
-    tasks: list[_Task], slots: list[int], release: Callable[[BaseException], None] | None = None
-) -> None:
-    """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
-
-    Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
-    only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
-    does (on the CPU the caller's grad mode and autocast are already its own). Errors are
-    stored, not raised, so every replica has finished before ``_reraise`` looks.
-
-    Interrupted while submitting or waiting (Ctrl-C), it skips the tasks no worker has started,
-    calls ``release`` (a SyncBatchNorm rendezvous wakes the replicas waiting for one that will
-    never come), and waits for the running ones to finish their chunk before the interrupt goes
-    on: a program that ends on it while a worker is inside a torch operator aborts (the worker
-    thread is stopped at interpreter exit inside C++ code, and the process dies with SIGABRT
-    instead of its own exit status). A second Ctrl-C stops that wait. Every worker stays free
-    for the next call.
-    """
-    submitted = 1
-    try:
-        for task, slot in zip(tasks[1:], slots[1:], strict=True):
-            _worker(task.device, slot).tasks.put(task)
-            submitted += 1
-        _execute_first(tasks[0])
-        for task in tasks[1:]:
-            task.done.acquire()
-    except BaseException as exc:
-        started = tasks[1:submitted]
-        for task in started:
-            task.cancelled = True
-        if release is not None:
-            release(exc)
-        for task in started:
-            # A task whose lock this thread took already is marked finished; an interrupt
-            # between the two lines finds the lock taken and ends on the worker's mark below.
-            while not task.finished and not task.done.acquire(timeout=0.05):
-                pass
-        raise

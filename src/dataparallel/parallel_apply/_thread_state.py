@@ -6,7 +6,7 @@ the one-device result:
 
 Replayed in the worker (cheap, exact, replicas still overlap):
 
-- grad mode and autocast (in :mod:`dataparallel.parallel_apply` itself);
+- grad mode and autocast (by the task itself, :mod:`dataparallel.parallel_apply._task`);
 - ``torch.inference_mode()``: the worker enters it too, so in-place ops on inference tensors
   work on every replica as on one device;
 - ``torch.set_default_device(d)`` / ``with torch.device(d):`` (torch's ``DeviceContext``
@@ -31,7 +31,8 @@ the replicas no longer overlap while the state is active):
   checkpointing's recomputation relies on.
 
 Checking costs eight C-level calls per call (about 0.23 us; bounded in
-``tests/test_thread_state.py``); nothing is captured when none of the above is active.
+``tests/parallel_apply/test_thread_state.py``); nothing is captured when none of the above is
+active.
 """
 
 from __future__ import annotations
