@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from dataparallel._common.tree import contains_array, describe, leaves
+from dataparallel._common.describe import describe
+from dataparallel._common.tree import contains_array, leaves
 from dataparallel.devices import DeviceSpec, resolve_device
 from dataparallel.gather import first_batch_size, gather
 

@@ -1,4 +1,5 @@
-"""Tests of ``dataparallel._common.tree``: the kinds, flatten with paths, rebuild, the walks."""
+"""Tests of the tree vocabulary in ``dataparallel._common``: the kinds (``kinds``), flatten with
+paths and the walks (``tree``), rebuild (``rebuild``) and ``describe``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 
 from _odd_containers import Batch, Named, Ordered, PairT
 from dataparallel import Shared, Split
-from dataparallel._common.tree import (
+from dataparallel._common.describe import describe
+from dataparallel._common.kinds import (
     ARRAY,
     BOOL,
     DATACLASS,
     LIST,
     MAPPING,
-    MAX_DEPTH,
     NAMEDTUPLE,
     NONE,
     NUMBER,
@@ -28,19 +29,21 @@ from dataparallel._common.tree import (
     SHAPE,
     TENSOR,
     TUPLE,
-    TooDeep,
     container_kind,
-    contains_array,
-    describe,
-    flatten,
     item_types,
     kind_of,
+    path_key,
+    struct_items,
+)
+from dataparallel._common.rebuild import rebuild
+from dataparallel._common.tree import (
+    MAX_DEPTH,
+    TooDeep,
+    contains_array,
+    flatten,
     leaves,
     map_leaves,
     map_tensors,
-    path_key,
-    rebuild,
-    struct_items,
     unflatten,
 )
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dataparallel as dp
-from dataparallel._common.tree import ARRAY, TENSOR, kind_of, leaves
+from dataparallel._common.kinds import ARRAY, TENSOR, kind_of
+from dataparallel._common.tree import leaves
 from dataparallel.gather import first_batch_size
 
 Pair = namedtuple("Pair", ["a", "b"])

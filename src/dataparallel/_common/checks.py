@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from dataparallel._common.tree import MAX_DEPTH, describe, rebuild_mapping
+from dataparallel._common.describe import describe
+from dataparallel._common.rebuild import rebuild_mapping
+from dataparallel._common.tree import MAX_DEPTH
 
 __all__ = [
     "check_batch_size_used",

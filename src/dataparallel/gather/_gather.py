@@ -25,13 +25,12 @@ from dataparallel._common.checks import (
     check_gather_sizes,
     check_scalar_weights,
 )
-from dataparallel._common.tree import (
+from dataparallel._common.kinds import (
     ARRAY,
     TENSOR,
-    TooDeep,
     kind_of,
-    leaves,
 )
+from dataparallel._common.tree import TooDeep, leaves
 from dataparallel.devices import DeviceSpec
 from dataparallel.devices import target_device as resolve_target
 from dataparallel.gather._output_rules import (

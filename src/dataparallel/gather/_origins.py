@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel._common.tree import TooDeep, leaves, struct_items
+from dataparallel._common.kinds import struct_items
+from dataparallel._common.tree import TooDeep, leaves
 from dataparallel.plan._program import BroadcastCut, Program, Rebuild, Step
 
 __all__: list[str] = []

@@ -1,11 +1,12 @@
 """Gather's own helpers: paths for messages, moving one output, equality and sums.
 
-The kinds of values and the rebuild functions are :mod:`dataparallel._common.tree`'s, shared
-with the batch rules. What is gather's alone lives here: the chain of keys that names an output
-(``output['attn']``), formatted only when a message needs it; :func:`to_target`, which moves a
-single replica's output to the target device, reusing every container whose contents did not
-move; :func:`rebuild_at`, a rebuild whose error names the output path; and the equality checks
-and sums of the guide's gather rules (docs/guide.md).
+The kinds of values and the rebuild functions are :mod:`dataparallel._common.kinds`' and
+:mod:`dataparallel._common.rebuild`'s, shared with the batch rules. What is gather's alone
+lives here: the chain of keys that names an output (``output['attn']``), formatted only when a
+message needs it; :func:`to_target`, which moves a single replica's output to the target device,
+reusing every container whose contents did not move; :func:`rebuild_at`, a rebuild whose error
+names the output path; and the equality checks and sums of the guide's gather rules
+(docs/guide.md).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel._common.packed import is_packed
-from dataparallel._common.tree import (
+from dataparallel._common.kinds import (
     ATOMS,
     DATACLASS,
     LIST,
@@ -28,10 +28,9 @@ from dataparallel._common.tree import (
     TUPLE,
     fields_of,
     kind_of,
-    rebuild_mapping,
-    rebuild_record,
-    rebuild_sequence,
 )
+from dataparallel._common.packed import is_packed
+from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuild_sequence
 
 __all__ = [
     "ATOMS",
@@ -94,7 +93,7 @@ def to_target(obj: Any, target: torch.device, path: Path) -> Any:
 
 
 def rebuild_at(path: Path, build: Callable[..., Any], first: Any, *args: Any) -> Any:
-    """``build(first, *args)``, one of ``_tree``'s rebuild functions, with an error that names
+    """``build(first, *args)``, one of ``_common.rebuild``'s functions, with an error that names
     the output path when the class refuses its gathered items."""
     try:
         return build(first, *args)

@@ -21,8 +21,7 @@ from dataparallel._common.checks import (
     check_chunk_sizes_of,
     concat_error,
 )
-from dataparallel._common.packed import gather_packed, is_packed
-from dataparallel._common.tree import (
+from dataparallel._common.kinds import (
     ARRAY,
     BOOL,
     DATACLASS,
@@ -41,10 +40,9 @@ from dataparallel._common.tree import (
     fields_of,
     item_types,
     kind_of,
-    rebuild_mapping,
-    rebuild_record,
-    rebuild_sequence,
 )
+from dataparallel._common.packed import gather_packed, is_packed
+from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuild_sequence
 from dataparallel._common.warn import warn_user
 from dataparallel.gather._output_rules import (
     apply_rule,

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from dataparallel._common.tree import ATOMS, container_kind, describe, struct_items
+from dataparallel._common.describe import describe
+from dataparallel._common.kinds import ATOMS, container_kind, struct_items
 from dataparallel.markers import Shared, Split
 
 

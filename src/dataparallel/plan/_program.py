@@ -137,8 +137,8 @@ class PackedCut(Cut):
 
 
 class Rebuild(Step):
-    """A container taken apart (its ``kind`` of ``dataparallel._common.tree``) and rebuilt, with its
-    own type and attributes, from its children's results."""
+    """A container taken apart (its ``kind`` of ``dataparallel._common.kinds``) and rebuilt, with
+    its own type and attributes, from its children's results."""
 
     __slots__ = ("children", "kind")
 

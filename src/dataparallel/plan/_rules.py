@@ -22,22 +22,20 @@ from dataparallel._common.checks import (
     dim_out_of_range,
     too_deep,
 )
-from dataparallel._common.movable import has_to
-from dataparallel._common.packed import is_packed, sequence_count
-from dataparallel._common.tree import (
+from dataparallel._common.describe import describe
+from dataparallel._common.kinds import (
     ATOMS,
     LIST,
     MAPPING,
-    MAX_DEPTH,
     TUPLE,
-    TooDeep,
     container_kind,
-    contains_array,
-    describe,
     item_types,
     path_key,
     struct_items,
 )
+from dataparallel._common.movable import has_to
+from dataparallel._common.packed import is_packed, sequence_count
+from dataparallel._common.tree import MAX_DEPTH, TooDeep, contains_array
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._chunks import as_int, cut_batch

@@ -30,17 +30,10 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from dataparallel._common.kinds import ATOMS, MAPPING, container_kind, item_types, struct_items
 from dataparallel._common.movable import contains_record
 from dataparallel._common.packed import sequence_count
-from dataparallel._common.tree import (
-    ATOMS,
-    MAPPING,
-    MAX_DEPTH,
-    container_kind,
-    contains_array,
-    item_types,
-    struct_items,
-)
+from dataparallel._common.tree import MAX_DEPTH, contains_array
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._program import Plan
 from dataparallel.plan._rules import build_plan, holds_arrays, list_kind

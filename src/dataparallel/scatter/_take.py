@@ -14,18 +14,11 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_packed_sequence
 
+from dataparallel._common.kinds import ATOMS, LIST, item_types, struct_items
 from dataparallel._common.movable import contains_record, move_item
 from dataparallel._common.packed import take_packed
-from dataparallel._common.tree import (
-    ATOMS,
-    LIST,
-    TooDeep,
-    contains_array,
-    item_types,
-    map_tensors,
-    rebuild,
-    struct_items,
-)
+from dataparallel._common.rebuild import rebuild
+from dataparallel._common.tree import TooDeep, contains_array, map_tensors
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._program import (
     BroadcastCut,
