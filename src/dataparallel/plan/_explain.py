@@ -1,8 +1,8 @@
 """The plan in words: the table ``explain`` prints, each leaf's row, and the broadcast warning
 (batch rule 6): what was found, then the fixes.
 
-Kept apart from ``_rules``, which decides, and ``_program``, which holds the decision: this
-module only words it.
+Kept apart from ``_votes`` and ``_rules``, which decide, and ``_program``, which holds the
+decision: this module only words it.
 """
 
 from __future__ import annotations

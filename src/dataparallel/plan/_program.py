@@ -1,14 +1,15 @@
 """What a plan is: its readable record (``Plan``, ``Entry``, ``Vote``) and its program.
 
-``plan._rules`` decides and fills these in; ``dataparallel.scatter`` runs the program for any
-slice of the batch; ``plan._explain`` words it for ``explain``. Keeping the data apart from the
-rules and from the runner lets each module stay about one thing.
+``plan._build`` fills these in with what ``plan._votes`` and ``plan._rules`` decide;
+``dataparallel.scatter`` runs the program for any slice of the batch; ``plan._explain`` words it
+for ``explain``. Keeping the data apart from the rules and from the runner lets each module
+stay about one thing.
 
 A program is a tree of steps shaped like the call's arguments: a ``Rebuild`` step takes a
 container apart and builds it again, with its own type, from its children's results; a leaf is
 a cut (``SplitCut``, ``PerSampleCut``, ``BroadcastCut``, ``PackedCut``). A program holds no
 argument, only what to do with one, so the same program serves every call whose signature is
-the same (``plan._cache``), run against that call's arguments. A program marked ``identity``
+the same (``scatter._plans``), run against that call's arguments. A program marked ``identity``
 (one chunk, the whole batch, every tensor already on its device, no cast) gives back the
 arguments themselves: the one-device call is a program too, not a branch of the wrapper.
 """
@@ -152,7 +153,7 @@ class Program:
     or the one argument's step), one per keyword argument, in order.
 
     ``identity``: running the program gives back the arguments themselves (set by
-    ``plan._cache`` for a one-chunk plan that moves nothing).
+    ``scatter._plans`` for a one-chunk plan that moves nothing).
     """
 
     __slots__ = ("args", "args_is_tuple", "identity", "kw_keys", "kw_steps")
