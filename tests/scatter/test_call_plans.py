@@ -1,4 +1,4 @@
-"""The functional API's plan reuse (``plan._cache.CallPlans``, behind ``dp.scatter`` and
+"""The functional API's plan reuse (``scatter._plans.CallPlans``, behind ``dp.scatter`` and
 ``dp.scatter_kwargs``): a reused plan gives the same chunks, warnings and errors as a fresh one,
 a changed signature is planned afresh, and the cache keeps no value of a call alive."""
 
