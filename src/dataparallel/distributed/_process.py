@@ -1,54 +1,36 @@
-"""The same batch rules past one machine: torch.distributed, DDP and torchrun.
+"""This process's place in a torchrun job, and the process group's life: setup and teardown.
 
-One process per device, launched by ``torchrun`` (or ``dataparallel train --strategy ddp``):
-
-- :func:`init_distributed` reads torchrun's environment and starts the process group;
-- :func:`shard` gives this rank its part of a global batch under the rules of ``dp.scatter``;
-- :func:`gather_all` gives every rank everyone's outputs, in rank order, under the rules of
-  ``dp.gather``, with uneven sizes exact (nothing padded, nothing duplicated);
-- :class:`ShardedSampler` partitions a dataset's indices exactly over the ranks;
-- :func:`ddp_session` wraps a module in ``DistributedDataParallel`` and always tears the process
-  group down.
-
-Without torchrun's variables everything runs as one process (world size 1, rank 0), so the same
-script runs with ``python train.py`` and with ``torchrun --nproc-per-node 4 train.py``.
+:func:`init_distributed` reads torchrun's variables (:data:`ENV_VARS`) and starts the default
+process group, or describes a single process when there are none; :func:`destroy_distributed`
+tears the group down without gloo's shutdown deadlock; :func:`ddp_session` does both around a
+``DistributedDataParallel`` module. :func:`rank_and_size` and :func:`local_device` answer "which
+rank of how many, on which device" for the batch helpers (``_shard``, ``_gather_all``,
+``_sampler``), from the process group, else torchrun's variables, else one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
-import pickle
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
-
-from dataparallel._common.describe import describe
-from dataparallel._common.tree import contains_array, leaves
-from dataparallel.devices import DeviceSpec, resolve_device
-from dataparallel.gather import first_batch_size, gather
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-    from dataparallel.gather import ScalarMode
-
 __all__ = [
     "ENV_VARS",
     "DistInfo",
-    "ShardedSampler",
     "ddp_session",
     "destroy_distributed",
-    "gather_all",
     "init_distributed",
-    "shard",
+    "local_device",
+    "rank_and_size",
 ]
 
 #: The variables torchrun sets for every worker; all or none of them must be present.
@@ -205,7 +187,7 @@ def _group_or_env(name: str, read: Callable[[], int], default: int) -> int:
     return default
 
 
-def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit values, else the process group's, else torchrun's variables, else 0 of 1."""
     if world_size is None:
         world_size = _group_or_env("WORLD_SIZE", lambda: dist.get_world_size(), 1)
@@ -224,7 +206,7 @@ def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def _local_device() -> torch.device:
+def local_device() -> torch.device:
     """This rank's device: CUDA under nccl (or single-process with CUDA), else the CPU."""
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
@@ -232,265 +214,6 @@ def _local_device() -> torch.device:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     return _backend_device(None, 0)
-
-
-def shard(
-    batch: Any,
-    rank: int | None = None,
-    world_size: int | None = None,
-    dim: int = 0,
-    *,
-    device: DeviceSpec | None = None,
-    **opts: Any,
-) -> Any:
-    """This rank's part of a global batch, under the batch rules of ``dp.scatter``.
-
-    Every rank calls it with the same global batch; rank ``r`` gets the ``r``-th chunk of the
-    plan over ``world_size`` copies of its device, so the chunks over all ranks are the batch,
-    in order, with nothing dropped or duplicated. When the batch has fewer samples than ranks,
-    the ranks past the used ones get an empty slice (empty tensors and lists, broadcast inputs
-    unchanged), so every rank still runs the same collectives.
-
-    Args:
-        batch: the global batch; a ``tuple`` is an argument tuple (a tuple comes back), anything
-            else one argument (its chunk comes back), as in ``dp.scatter``.
-        rank: this rank; ``None`` reads the process group (or ``RANK``, else 0).
-        world_size: number of ranks; ``None`` reads the process group (or ``WORLD_SIZE``, else 1).
-        dim: the batch dimension of tensors.
-        device: where this rank's chunk goes; ``None`` is this rank's device (CUDA under nccl,
-            else the CPU).
-        **opts: ``batch_size``, ``chunk_sizes`` and ``weights`` (one per rank), ``max_size``,
-            ``dtype``, ``strict``, as in ``dp.scatter``.
-
-    Returns:
-        This rank's chunk, or a tuple of chunks when ``batch`` is a tuple.
-
-    >>> import torch
-    >>> shard(torch.arange(5), rank=1, world_size=2, device="cpu")
-    tensor([3, 4])
-    """
-    from dataparallel.plan import build_plan, check_options
-    from dataparallel.scatter import take
-
-    check_options(opts)
-    rank, world_size = _rank_and_size(rank, world_size)
-    here = _local_device() if device is None else resolve_device(device, where="device")
-    # one "device" per rank; a batch that needs waves under max_size is an error, as in scatter
-    planned = build_plan(batch, None, [here] * world_size, dim, allow_waves=False, **opts)
-    for message in planned.warnings:
-        warnings.warn(message, UserWarning, stacklevel=2)
-    sizes = planned.device_sizes[0]  # one per rank, 0 for a rank past the batch
-    start = sum(sizes[:rank])
-    args, _kwargs = take(planned, start, sizes[rank], here)
-    return args
-
-
-# --------------------------------------------------------------------------- gather_all
-
-
-def _identity(obj: Any) -> Any:
-    return obj
-
-
-def _is_compact_cpu(t: torch.Tensor) -> bool:
-    return (
-        t.device.type == "cpu"
-        and not t.requires_grad
-        and t.is_contiguous()
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
-class _CpuPickler(pickle.Pickler):
-    """Pickles tensors as detached, compact CPU copies (a view never ships its whole storage)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            isinstance(obj, torch.Tensor)
-            and obj.layout == torch.strided
-            and not _is_compact_cpu(obj)
-        ):
-            return _identity, (obj.detach().to("cpu").clone(),)
-        return NotImplemented
-
-
-def _to_cpu_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    _CpuPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
-
-def _first_list_length(obj: Any) -> int | None:
-    """The length of the first list inside ``obj``, depth first."""
-    return next((len(o) for o in leaves(obj, is_leaf=_is_list) if _is_list(o)), None)
-
-
-def _is_list(obj: Any) -> bool:
-    return isinstance(obj, list)
-
-
-def _local_batch_size(obj: Any, dim: int) -> int | None:
-    """This rank's chunk size: the first batched tensor or ndarray, else (when there is no
-    tensor at all, e.g. a list of predicted labels) the length of the first list."""
-    found = first_batch_size(obj, dim)
-    if found is None and not contains_array(obj):
-        found = _first_list_length(obj)
-    return found
-
-
-def gather_all(
-    obj: Any,
-    dim: int = 0,
-    *,
-    scalars: ScalarMode = "mean",
-    batch_size: int | None = None,
-    device: DeviceSpec | None = None,
-) -> Any:
-    """Every rank's ``obj``, gathered in rank order under the rules of ``dp.gather``, on every rank.
-
-    Each rank's chunk size is exchanged with its outputs, so uneven sizes come back exact: a
-    batch sharded by :func:`shard` (or a dataset by :class:`ShardedSampler`) and gathered here is
-    the global batch, in order, with nothing padded and nothing repeated. Tensors, ndarrays,
-    per-sample lists of strings or of variable-size tensors, dicts, dataclasses and scalars all
-    follow the gather rules (a mean-reduced loss comes back as the global mean). With
-    ``scalars="mean"``, ranks whose part is empty (a batch smaller than the world) are left out,
-    so their ``nan`` losses do not spoil the mean.
-
-    Objects travel as pickled CPU copies (``all_gather_object``); tensors come back on this
-    rank's device. Gradients flow only into this rank's own part (the other ranks' parts are
-    copies), so use it for evaluation and logging, and DDP for training.
-
-    Every rank must call it, the same number of times: gather once after an evaluation loop
-    rather than per batch when ranks may see different numbers of batches.
-
-    Args:
-        obj: this rank's outputs, nested as ``dp.gather`` accepts.
-        dim: the batch dimension of tensors.
-        scalars: ``"mean"`` (weighted by chunk size), ``"sum"`` or ``"stack"``, as in ``dp.gather``.
-        batch_size: this rank's chunk size; ``None`` reads it from the first tensor or ndarray
-            with a batch dimension, or, when ``obj`` holds no tensor at all, from the length of
-            its first list. Pass it when neither reading is right.
-        device: where tensors land; ``None`` is this rank's device.
-
-    Raises:
-        ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
-            the message lists every rank's structure and shapes.
-
-    >>> import torch
-    >>> gather_all({"pred": torch.tensor([1, 2]), "names": ["a", "b"]})  # one process
-    {'pred': tensor([1, 2]), 'names': ['a', 'b']}
-    """
-    here = _local_device() if device is None else resolve_device(device, where="device")
-    local_size = _local_batch_size(obj, dim) if batch_size is None else int(batch_size)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        exchanged: list[Any] = [None] * world_size
-        dist.all_gather_object(exchanged, (local_size, _to_cpu_bytes(obj)))
-        sizes = [entry[0] for entry in exchanged]
-        outputs = [
-            obj if r == rank else pickle.loads(payload)  # our own ranks' bytes
-            for r, (_size, payload) in enumerate(exchanged)
-        ]
-    else:
-        sizes, outputs = [local_size], [obj]
-    chunk_sizes = None if any(size is None for size in sizes) else [int(s) for s in sizes]
-    kept = list(range(len(outputs)))
-    if scalars == "mean" and chunk_sizes is not None and sum(chunk_sizes) > 0:
-        # A rank with an empty part (fewer samples than ranks) weighs nothing in a mean, and
-        # its mean-reduced loss is nan: leave it out rather than let 0 * nan poison the mean.
-        kept = [r for r, size in enumerate(chunk_sizes) if size > 0]
-    try:
-        return gather(
-            [outputs[r] for r in kept],
-            here,
-            dim,
-            chunk_sizes=None if chunk_sizes is None else [chunk_sizes[r] for r in kept],
-            scalars=scalars,
-        )
-    except ValueError as exc:
-        pictures = "\n".join(
-            f"  rank {r} (batch {sizes[r]}): {describe(out, nested=True)}"
-            for r, out in enumerate(outputs)
-        )
-        raise ValueError(
-            f"gather_all: the ranks' outputs do not fit together: {exc}\nper rank:\n{pictures}\n"
-            f"make every rank return the same structure (same keys, types and nesting)"
-        ) from exc
-
-
-# --------------------------------------------------------------------------- sampler
-
-
-class ShardedSampler(Sampler[int]):
-    """An exact partition of a dataset's indices over the ranks: every index exactly once.
-
-    The indices (shuffled from ``seed + epoch`` when ``shuffle``) are cut into ``world_size``
-    contiguous blocks, as even as possible with the larger blocks first, the same split
-    :func:`shard` makes of a batch. Nothing is padded or dropped, so ranks may get one sample
-    more or fewer; in rank order the blocks are the whole (shuffled) order, so
-    :func:`gather_all` of per-sample outputs, gathered once after the loop, comes back in the
-    dataset's order when ``shuffle=False``.
-
-    With uneven blocks ranks may run different numbers of batches: for evaluation gather once
-    at the end; for DDP training wrap the loop in ``torch.distributed.algorithms.Join`` (see
-    :func:`ddp_session`), or use a batch size that divides every rank's count.
-
-    Args:
-        dataset: anything with ``len()``.
-        shuffle: shuffle the indices each epoch (the same permutation on every rank).
-        seed: the base seed; every rank must use the same one.
-        rank: this rank; ``None`` reads the process group (or ``RANK``, else 0).
-        world_size: number of ranks; ``None`` reads the process group (or ``WORLD_SIZE``, else 1).
-
-    >>> list(ShardedSampler(range(5), shuffle=False, rank=0, world_size=2))
-    [0, 1, 2]
-    """
-
-    def __init__(
-        self,
-        dataset: Sized,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> None:
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"dataset: expected an object with len(), got {type(dataset).__name__}; "
-                f"an IterableDataset must be split by the dataset itself"
-            )
-        self.dataset = dataset
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.rank, self.world_size = _rank_and_size(rank, world_size)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use the permutation of ``seed + epoch`` from now on (call it before each epoch)."""
-        self.epoch = int(epoch)
-
-    def _bounds(self) -> tuple[int, int]:
-        total = len(self.dataset)
-        base, extra = divmod(total, self.world_size)
-        start = self.rank * base + min(self.rank, extra)
-        return start, start + base + (1 if self.rank < extra else 0)
-
-    def indices(self) -> list[int]:
-        """This rank's indices for the current epoch, in the order they are yielded."""
-        start, stop = self._bounds()
-        if not self.shuffle:
-            return list(range(start, stop))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator)
-        return order[start:stop].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices())
-
-    def __len__(self) -> int:
-        start, stop = self._bounds()
-        return stop - start
 
 
 # --------------------------------------------------------------------------- DDP
