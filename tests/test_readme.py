@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataparallel.app.cli import BENCH_FULL_TIME
+from dataparallel.app._parser import BENCH_FULL_TIME
 from dataparallel.app.demo.data import write_cifar_like
 
 ROOT = Path(__file__).resolve().parents[1]

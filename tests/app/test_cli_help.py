@@ -19,7 +19,8 @@ import pytest
 # the leak check in conftest.py would pin on whichever test imported it first.
 from sklearn.datasets import load_digits  # noqa: F401
 
-from dataparallel.app.cli import BENCH_FULL_TIME, BENCH_QUICK_TIME, build_parser, main
+from dataparallel.app._parser import BENCH_FULL_TIME, BENCH_QUICK_TIME
+from dataparallel.app.cli import build_parser, main
 from dataparallel.app.demo.checkpoint import load_checkpoint
 from dataparallel.app.demo.data import load_dataset, write_cifar_like
 from dataparallel.app.scenarios import SCENARIOS

@@ -1,5 +1,6 @@
-"""The application built on the library: the ``dataparallel`` command (``cli``), its process
-launcher (``launch``), the ``explain`` scenarios and the training demo (``demo/``).
+"""The application built on the library: the ``dataparallel`` command (``cli``; its parser in
+``_parser``, ``explain`` and ``bench`` in ``_commands``), its process launcher (``launch``), the
+``explain`` scenarios and the training demo (``demo/``).
 
 Nothing in the library core imports from here.
 """
