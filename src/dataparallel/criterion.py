@@ -16,13 +16,19 @@ from typing import Any
 from torch import nn
 
 from dataparallel.devices import DeviceSpec, resolve_devices, target_device
-from dataparallel.gather import ScalarMode, check_scalars, gather
-from dataparallel.gather._losses import SumAndCount, combine, is_exact_mean
+from dataparallel.gather import (
+    ScalarMode,
+    SumAndCount,
+    check_scalars,
+    combine,
+    gather,
+    is_exact_mean,
+)
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import build_plan
 from dataparallel.replicate import replicate
 from dataparallel.scatter import take
-from dataparallel.wrapper._results import DeviceOutputs
+from dataparallel.wrapper import DeviceOutputs
 
 __all__ = ["DataParallelCriterion"]
 

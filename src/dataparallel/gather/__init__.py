@@ -4,6 +4,9 @@
 counts (``_scalars``), values the replicas received rather than computed (``_origins``), paths,
 moves and equality of outputs (``_outputs``), ``output_rules=`` (``_output_rules``) and exact
 token means (``_losses``: ``scalar_weights=`` and ``DataParallelCriterion``'s parts).
+
+Other folders import this stage through this module, never its private modules: ``__all__``
+is its interface (``dataparallel`` re-exports the public names).
 """
 
 from __future__ import annotations
@@ -15,5 +18,27 @@ from dataparallel.gather._gather import (
     gather,
     gather_outputs,
 )
+from dataparallel.gather._losses import (
+    ScalarWeights,
+    SumAndCount,
+    chunk_weights,
+    combine,
+    is_exact_mean,
+)
+from dataparallel.gather._origins import Origins
+from dataparallel.gather._output_rules import check_output_rules
 
-__all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
+__all__ = [
+    "Origins",
+    "ScalarMode",
+    "ScalarWeights",
+    "SumAndCount",
+    "check_output_rules",
+    "check_scalars",
+    "chunk_weights",
+    "combine",
+    "first_batch_size",
+    "gather",
+    "gather_outputs",
+    "is_exact_mean",
+]

@@ -21,7 +21,7 @@ from torch import nn
 
 from dataparallel._common.kinds import struct_items
 from dataparallel._common.tree import TooDeep, leaves
-from dataparallel.plan._program import BroadcastCut, Program, Rebuild, Step
+from dataparallel.plan import BroadcastCut, Program, Rebuild, Step
 
 __all__: list[str] = []
 

@@ -8,11 +8,30 @@ The caller's thread state that each worker replays (``_thread_state``), the time
 (``_spans``) and ``nn.SyncBatchNorm`` across the replicas of one call (``_syncbn``: which
 layers, and when; ``_rendezvous``: where the replicas meet and exchange their statistics) live
 beside them.
+
+Other folders import this stage through this module, never its private modules: ``__all__``
+is its interface (``dataparallel`` re-exports the public names).
 """
 
 from __future__ import annotations
 
-from dataparallel.parallel_apply._apply import apply_replicas, in_order, parallel_apply, wait_for
+from dataparallel.parallel_apply._apply import (
+    apply_replicas,
+    in_order,
+    infer_device,
+    parallel_apply,
+    wait_for,
+)
+from dataparallel.parallel_apply._syncbn import batchnorm_note, sync_call
 from dataparallel.parallel_apply._task import describe_inputs
 
-__all__ = ["apply_replicas", "describe_inputs", "in_order", "parallel_apply", "wait_for"]
+__all__ = [
+    "apply_replicas",
+    "batchnorm_note",
+    "describe_inputs",
+    "in_order",
+    "infer_device",
+    "parallel_apply",
+    "sync_call",
+    "wait_for",
+]

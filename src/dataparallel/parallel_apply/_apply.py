@@ -111,7 +111,7 @@ def parallel_apply(
     if devices is None:
         argses = [x if isinstance(x, tuple) else (x,) for x in inputs]
         resolved = [
-            _infer_device(m, a, k) for m, a, k in zip(modules, argses, kwargs_tup, strict=True)
+            infer_device(m, a, k) for m, a, k in zip(modules, argses, kwargs_tup, strict=True)
         ]
     else:
         if len(devices) != n:
@@ -253,7 +253,7 @@ def _apply_here(
     return result
 
 
-def _infer_device(
+def infer_device(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> torch.device:
     """The device of the first tensor in the arguments (depth first), else of the module's

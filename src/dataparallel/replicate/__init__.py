@@ -30,6 +30,9 @@ Who keeps the replicas:
   torch. Callers of :func:`replicate` with the same module
   and devices share one set: two threads running it at once should use
   :func:`fresh_replicate` (or a wrapper each).
+
+Other folders import this stage through this module, never its private modules: ``__all__``
+is its interface (``dataparallel`` re-exports the public names).
 """
 
 from __future__ import annotations
@@ -44,15 +47,25 @@ from torch import nn
 from dataparallel._common.checks import replicate_scripted
 from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.replicate._check import Scripted, fingerprint, self_referencing
+from dataparallel.replicate._compiled import (
+    CompiledReplicas,
+    check_compile_option,
+    check_not_compiled,
+    warn_compiled_wrapper,
+)
 from dataparallel.replicate._rebind import SERIAL
 from dataparallel.replicate._replicas import Replicas
 
 __all__ = [
     "SERIAL",
+    "CompiledReplicas",
     "ReplicaSets",
+    "check_compile_option",
+    "check_not_compiled",
     "clear_replica_cache",
     "fresh_replicate",
     "replicate",
+    "warn_compiled_wrapper",
 ]
 
 _Devices = tuple[torch.device, ...]

@@ -3,6 +3,9 @@
 ``take`` cuts and moves one slice (``_take``); ``scatter`` and ``scatter_kwargs`` plan a call
 and take one slice per device (``_scatter``). The plans are kept per call signature
 (``_plans``): ``CallPlans`` for the functional API, ``PlanCache`` for a wrapper.
+
+Other folders import this stage through this module, never its private modules: ``__all__``
+is its interface (``dataparallel`` re-exports the public names).
 """
 
 from __future__ import annotations

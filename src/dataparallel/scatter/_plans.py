@@ -35,10 +35,7 @@ from dataparallel._common.movable import contains_record
 from dataparallel._common.packed import sequence_count
 from dataparallel._common.tree import MAX_DEPTH, contains_array
 from dataparallel.markers import Shared, Split
-from dataparallel.plan._build import build_plan
-from dataparallel.plan._program import Plan
-from dataparallel.plan._rules import holds_arrays
-from dataparallel.plan._votes import list_kind
+from dataparallel.plan import Plan, build_plan, holds_arrays, list_kind
 from dataparallel.scatter._take import take
 
 __all__ = ["CallPlans", "PlanCache", "call_key"]

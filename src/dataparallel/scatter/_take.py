@@ -20,15 +20,7 @@ from dataparallel._common.packed import take_packed
 from dataparallel._common.rebuild import rebuild
 from dataparallel._common.tree import TooDeep, contains_array, map_tensors
 from dataparallel.markers import Shared, Split
-from dataparallel.plan._program import (
-    BroadcastCut,
-    Cut,
-    PerSampleCut,
-    Plan,
-    Rebuild,
-    SplitCut,
-    Step,
-)
+from dataparallel.plan import BroadcastCut, Cut, PerSampleCut, Plan, Rebuild, SplitCut, Step
 
 __all__ = ["take"]
 

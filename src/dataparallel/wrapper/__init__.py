@@ -6,6 +6,9 @@ Beside the class (``_data_parallel``), one job each: options checked on assignme
 (``_options``), the device check (``_placement``), ``num_items_in_batch`` shares
 (``_partial_sums``), mmcv's step methods (``_steps``), ``last_call`` and ungathered outputs
 (``_results``), and the module's signature presented to introspection (``_signature``).
+
+Other folders import this stage through this module, never its private modules: ``__all__``
+is its interface (``dataparallel`` re-exports the public names).
 """
 
 from __future__ import annotations

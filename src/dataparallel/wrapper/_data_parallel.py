@@ -20,24 +20,22 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
+    Origins,
+    ScalarWeights,
+    check_output_rules,
     check_scalars,
+    chunk_weights,
     gather,
 )
-from dataparallel.gather._losses import ScalarWeights, chunk_weights
-from dataparallel.gather._origins import Origins
-from dataparallel.gather._output_rules import check_output_rules
-from dataparallel.parallel_apply import parallel_apply, wait_for
-from dataparallel.parallel_apply._apply import _infer_device
-from dataparallel.parallel_apply._syncbn import batchnorm_note
+from dataparallel.parallel_apply import batchnorm_note, infer_device, parallel_apply, wait_for
 from dataparallel.plan import Plan, build_plan
-from dataparallel.replicate import ReplicaSets
-from dataparallel.replicate._compiled import (
+from dataparallel.replicate import (
+    ReplicaSets,
     check_compile_option,
     check_not_compiled,
     warn_compiled_wrapper,
 )
-from dataparallel.scatter import take
-from dataparallel.scatter._plans import PlanCache
+from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._options import (
     CHECKED,
     check_dim,
@@ -290,7 +288,7 @@ class DataParallel(nn.DataParallel):
         """
         d = self.__dict__
         if d.get("_here") is None:
-            device = _infer_device(self.module, inputs, kwargs)
+            device = infer_device(self.module, inputs, kwargs)
             d["device_ids"] = [device]
             d["src_device_obj"] = d["output_device"] = device
             d["options"] = {**d["options"], "chunk_sizes": None, "weights": None}

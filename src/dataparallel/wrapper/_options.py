@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from dataparallel.devices import check_runnable, resolve_devices, target_device
-from dataparallel.gather import check_scalars
-from dataparallel.gather._output_rules import check_output_rules
+from dataparallel.gather import check_output_rules, check_scalars
 from dataparallel.plan import build_plan
 
 __all__ = ["CHECKED", "PLAN_OPTIONS", "check_module", "check_plan_options"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather._losses import chunk_weights
+from dataparallel.gather import chunk_weights
 
 __all__ = [
     "COUNT_KEYWORD",

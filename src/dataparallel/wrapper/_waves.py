@@ -15,12 +15,10 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
-from dataparallel.gather import ScalarMode, first_batch_size, gather_outputs
-from dataparallel.gather._origins import Origins
-from dataparallel.parallel_apply import apply_replicas
-from dataparallel.parallel_apply._syncbn import sync_call
+from dataparallel.gather import Origins, ScalarMode, first_batch_size, gather_outputs
+from dataparallel.parallel_apply import apply_replicas, sync_call
 from dataparallel.plan import Plan
-from dataparallel.replicate._compiled import CompiledReplicas
+from dataparallel.replicate import CompiledReplicas
 from dataparallel.scatter import take
 from dataparallel.wrapper._partial_sums import shares_count, weight_total
 from dataparallel.wrapper._placement import copy_buffers_back
