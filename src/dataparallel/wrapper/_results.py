@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 
@@ -90,7 +90,13 @@ class LastCall:
     """``wrapper.last_call``: the load of this thread's last call through the wrapper
     (``None`` before one); assigning it records the value for this thread."""
 
-    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, wrapper: None, owner: type) -> LastCall: ...
+
+    @overload
+    def __get__(self, wrapper: object, owner: type | None = None) -> CallStats | None: ...
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> LastCall | CallStats | None:
         if wrapper is None:  # read on the class (documentation tools)
             return self
         calls = wrapper.__dict__.get("_calls")
