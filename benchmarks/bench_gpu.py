@@ -87,6 +87,25 @@ def case_h2d(settings: Settings) -> list[Case]:
                 },
             )
         )
+    pageable = host.clone()  # the same bytes in ordinary (pageable) host memory
+    stats = compare(
+        {
+            "pinned": _synced(functools.partial(scatter, host, [0, 0])),
+            "pageable": _synced(functools.partial(scatter, pageable, [0, 0])),
+        },
+        settings,
+    )
+    cases.append(
+        _pair(
+            "h2d_scatter_pinned_vs_pageable",
+            f"scatter of a {nbytes / 1e6:.1f} MB batch onto [0, 0]: pinned source (non-blocking "
+            "copies on side streams) vs the same batch in pageable memory (plain copies)",
+            stats,
+            "pinned",
+            "pageable",
+            what="pinned scatter time / pageable scatter time",
+        )
+    )
     return cases
 
 
@@ -161,7 +180,7 @@ def case_replicate(settings: Settings) -> list[Case]:
     from torch.nn.parallel import replicate as torch_replicate
 
     from benchmarks.cases import many_module_net
-    from dataparallel.replicate import replicate
+    from dataparallel.replicate import fresh_replicate, replicate
 
     net = many_module_net().cuda()
     count = torch.cuda.device_count()
@@ -190,7 +209,24 @@ def case_replicate(settings: Settings) -> list[Case]:
                 )
             )
             continue
-        stats = compare({"ours": ours, "torch": theirs}, settings)
+
+        def fresh(g: bool = grad) -> None:
+            with torch.set_grad_enabled(g):
+                fresh_replicate(net, devices)
+            torch.cuda.synchronize()
+
+        stats = compare({"ours": ours, "fresh": fresh, "torch": theirs}, settings)
+        cases.append(
+            _pair(
+                f"replicate_{mode}_cached_vs_fresh",
+                f"replicate of a 251-module net onto {devices}, {mode}: cached vs fresh_replicate",
+                stats,
+                "ours",
+                "fresh",
+                target=None,
+                what="cached time / fresh time",
+            )
+        )
         cases.append(
             _pair(
                 f"replicate_{mode}_vs_torch",

@@ -319,8 +319,9 @@ def test_trainer_token_loss_with_num_items_in_batch(
     _weights_equal(ref_model, model, f"Trainer gpt2 num_items_in_batch {devices}")
 
 
-def _lm_run(model: nn.Module, out: Path, batch: int) -> dict[str, Any]:
-    """Trainer on a causal LM with padded labels: train, evaluate, predict, all at defaults."""
+def _lm_run(model: nn.Module, out: Path, batch: int, *, use_cpu: bool = True) -> dict[str, Any]:
+    """Trainer on a causal LM with padded labels: train, evaluate, predict, all at defaults
+    (on the CPU, or on cuda:0 where ``use_cpu`` is false)."""
     args = transformers.TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=batch,
@@ -331,7 +332,7 @@ def _lm_run(model: nn.Module, out: Path, batch: int) -> dict[str, Any]:
         lr_scheduler_type="constant",
         weight_decay=0.0,
         label_names=["labels"],  # a wrapper's class names none (see the README)
-        use_cpu=True,
+        use_cpu=use_cpu,
         save_strategy="no",
         report_to=[],
         logging_steps=1,
@@ -376,3 +377,21 @@ def test_trainer_causal_lm_is_exact_by_default(
     assert got.shape == want.shape and got.shape[0] == batch + 3
     compare(torch.from_numpy(want), torch.from_numpy(got), "predictions")
     _weights_equal(ref_model, model, f"Trainer gpt2 default {devices}")
+
+
+@pytest.mark.cuda
+def test_cuda_trainer_causal_lm_with_num_items_in_batch_on_repeated_gpu(tmp_path: Path) -> None:
+    """The same Trainer run with the model on cuda:0 and the wrapper on [0, 0]: Trainer moves
+    the wrapper to its device, passes num_items_in_batch, and every figure is one GPU's."""
+    from ._models import tiny_gpt2
+
+    ref_model = tiny_gpt2()
+    ref_model.config.use_cache = False
+    model = copy.deepcopy(ref_model)
+    # torch computes float32 matmuls in full precision by default (no TF32)
+    ref = _lm_run(ref_model, tmp_path / "one", 5, use_cpu=False)
+    par = _lm_run(dp.DataParallel(model, [0, 0]), tmp_path / "par", 5, use_cpu=False)
+    assert next(model.parameters()).device == torch.device("cuda", 0)
+    assert par["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert par["metrics"]["eval_loss"] == pytest.approx(ref["metrics"]["eval_loss"], rel=1e-4)
+    _weights_equal(ref_model, model, "Trainer gpt2 on [0, 0]")
