@@ -1,12 +1,12 @@
 """The product's own DDP path against a raw torch DDP loop of the same work: samples per second.
 
 ``ours`` is the command a user runs, ``dataparallel train --strategy ddp --nproc-per-node 2
---data random --epochs E --no-progress --json F`` (its launcher, its workers, its loop); its
-figure is the ``samples_per_second`` of that JSON: samples over the time of the training loops
-alone, on rank 0. ``raw`` is ``benchmarks/raw_ddp.py`` under ``torchrun --standalone
---nproc-per-node 2``: the same data, network, optimizer and global batch, in torch's
-tutorial loop, timed the same way. Both run with ``OMP_NUM_THREADS=1`` (one intra-op thread
-per process, as the CLI's launcher sets it).
+--devices cpu --data random --epochs E --no-progress --json F`` (its launcher, its workers,
+its loop); its figure is the ``samples_per_second`` of that JSON: samples over the time of
+the training loops alone, on rank 0. ``raw`` is ``benchmarks/raw_ddp.py`` under
+``torchrun --standalone --nproc-per-node 2``: the same data, network, optimizer and global
+batch, in torch's tutorial loop, timed the same way. Both run with ``OMP_NUM_THREADS=1``
+(one intra-op thread per process, as the CLI's launcher sets it).
 
 Each round runs both, the order rotating from round to round, so that a slow spell of the
 machine (other users) hits both sides; the ratio is the median over rounds of ``ours / raw``
@@ -49,6 +49,8 @@ def command(way: str, epochs: int, nproc: int, out: Path) -> list[str]:
             "ddp",
             "--nproc-per-node",
             str(nproc),
+            "--devices",
+            "cpu",  # raw_ddp.py runs gloo on the CPU: the same device on a GPU machine too
             "--data",
             "random",
             "--epochs",

@@ -27,19 +27,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if _CI else "dev
 
 # Threads of the process-wide replica pool are created on first use and kept on purpose.
 POOL_THREAD_PREFIX = "dataparallel-"
+# torch's own threads that live as long as the process, started on first use: inductor's
+# compile workers and their timer, and ``Dummy-N``, the name Python gives a thread it did not
+# start (the autograd engine's per-GPU thread, once it runs a Python hook).
+TORCH_THREAD_PREFIXES = ("InductorSubproc", "subproc_worker_timer", "Dummy-")
 
 
 def _env() -> dict[str, str]:
-    # pytest sets PYTEST_CURRENT_TEST while a test runs; torch sets its inductor cache folder
-    # on a lazy import. Neither is the test's doing.
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TORCHINDUCTOR_"))}
+    # pytest sets PYTEST_CURRENT_TEST while a test runs; torch sets its inductor (and, on a
+    # GPU, Triton) cache folders on a lazy import. None of it is the test's doing.
+    skip = ("PYTEST_", "TORCHINDUCTOR_", "TRITON_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(skip)}
 
 
 def _foreign_threads() -> set[threading.Thread]:
     return {
         t
         for t in threading.enumerate()
-        if t.is_alive() and not t.name.startswith(POOL_THREAD_PREFIX)
+        if t.is_alive() and not t.name.startswith((POOL_THREAD_PREFIX, *TORCH_THREAD_PREFIXES))
     }
 
 

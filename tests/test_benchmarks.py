@@ -226,6 +226,8 @@ def test_full_set_times_the_clis_own_ddp_path() -> None:
         "ddp",
         "--nproc-per-node",
         "2",
+        "--devices",
+        "cpu",
         "--data",
         "random",
         "--epochs",

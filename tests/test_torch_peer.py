@@ -237,7 +237,11 @@ def check_data_parallel(devices: list[str], sparse: bool) -> None:
             if sparse:
                 got, exp = got.coalesce().to_dense(), exp.coalesce().to_dense()
             torch.testing.assert_close(got, exp)
-    torch.testing.assert_close(dp.data_parallel(m, x), want)  # None: every CUDA device, else CPU
+    if torch.cuda.is_available():  # None: every CUDA device, and the module is on the CPU
+        with pytest.raises(RuntimeError, match=r"move it first with model\.module\.to"):
+            dp.data_parallel(m, x)
+    else:  # None: the CPU
+        torch.testing.assert_close(dp.data_parallel(m, x), want)
 
 
 @ids

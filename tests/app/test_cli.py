@@ -230,11 +230,33 @@ def test_one_process_ddp_matches_dp(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert sum(c["total"] for c in _json(ddp_json)["per_class"].values()) == 100
 
 
+@pytest.mark.cuda
+def test_ddp_with_more_processes_than_gpus_names_both_ways_out(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gpus = torch.cuda.device_count()
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", str(gpus + 1)]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and out == ""
+    assert f"--nproc-per-node {gpus}," in err and "--devices cpu" in err, err
+
+
+def test_one_process_ddp_on_cpu_devices_uses_gloo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "f.json"
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--devices", "cpu", "--epochs", "1"]
+    code, _, err = _run([*argv, "--json", str(out_json)], capsys)
+    assert code == 0, err
+    assert _json(out_json)["devices"] == ["cpu"]
+
+
 def test_two_process_ddp_counts_every_test_sample(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json = tmp_path / "f.json"
     argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", "2"]
+    argv += ["--devices", "cpu"]  # gloo on the CPU, on a GPU machine too
     code, _, err = _run(
         [*argv, "--epochs", "2", "--batch-size", "15", "--json", str(out_json)], capsys
     )
@@ -311,7 +333,10 @@ def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "resume without checkpoint": (["train", "--resume"], "--checkpoint"),
         "unknown data": (["train", "--data", "mnist"], "'mnist'"),
         "bad lr": (["train", "--lr", "-1"], "--lr"),
-        "devices with ddp": (["train", "--strategy", "ddp", "--devices", "cpu"], "--devices"),
+        "device list with ddp": (
+            ["train", "--strategy", "ddp", "--devices", "cpu,cpu"],
+            "--devices",
+        ),
         "unknown scenario": (["explain", "S9"], "'S9'"),
         "no command": ([], "expected a command"),
     }
@@ -329,7 +354,7 @@ def _bad_args(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "resume without checkpoint",
         "unknown data",
         "bad lr",
-        "devices with ddp",
+        "device list with ddp",
         "unknown scenario",
         "no command",
     ],

@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 TRAIN = [sys.executable, "-m", "dataparallel", "train", "--data", "random", "--epochs", "100000"]
-DDP = ["--strategy", "ddp", "--nproc-per-node", "2"]
+DDP = ["--strategy", "ddp", "--nproc-per-node", "2", "--devices", "cpu"]
 
 
 def _start(argv: list[str], tmp: Path) -> subprocess.Popen[str]:

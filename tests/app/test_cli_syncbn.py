@@ -59,9 +59,10 @@ def test_batchnorm_and_sync_bn_are_exclusive(capsys: pytest.CaptureFixture[str])
     assert "not allowed with argument --batchnorm" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only machines")
 def test_sync_bn_under_ddp_on_cpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["train", "--strategy", "ddp", "--nproc-per-node", "2", "--sync-bn"])
+    # --devices cpu: the CPU on any machine (without it, a machine without a GPU)
+    argv = ["train", "--strategy", "ddp", "--nproc-per-node", "2", "--devices", "cpu"]
+    code = main([*argv, "--sync-bn"])
     err = capsys.readouterr().err
     assert code == 2
     assert "--sync-bn" in err and "--strategy dp --devices cpu,cpu" in err

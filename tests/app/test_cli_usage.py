@@ -129,6 +129,8 @@ DDP_DIVERGES = [
     "ddp",
     "--nproc-per-node",
     "2",
+    "--devices",
+    "cpu",
     "--lr",
     "1e10",
     "--epochs",

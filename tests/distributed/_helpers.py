@@ -29,6 +29,7 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment for a launcher subprocess: ours, one OpenMP thread, the repo importable."""
     env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # these are the gloo-on-CPU tests, on a GPU machine too
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env
@@ -44,6 +45,7 @@ def _entry(
         LOCAL_RANK=str(local_rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        CUDA_VISIBLE_DEVICES="",  # gloo on the CPU, on a GPU machine too (before CUDA starts)
     )
     torch.set_num_threads(1)
     fn(*args)

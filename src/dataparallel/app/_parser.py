@@ -98,7 +98,7 @@ TRAIN_EXAMPLES = (
         "the real CIFAR-10: the python batches unpacked in ./cifar-10-batches-py",
     ),
     (
-        "dataparallel train --strategy ddp --nproc-per-node 2 --data random",
+        "dataparallel train --strategy ddp --nproc-per-node 2 --devices cpu --data random",
         "two DDP worker processes on this machine (gloo on CPU, nccl on GPUs)",
     ),
 )
@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         default="auto",
         help='dp: a comma list such as "cpu,cpu" or "0,1" (CUDA indices); auto: every GPU, '
-        "else one CPU replica (default: %(default)s)",
+        "else one CPU replica; ddp: auto (one process per GPU, else the CPU) or cpu (every "
+        "process on the CPU, gloo) (default: %(default)s)",
     )
     t.add_argument(
         "--strategy",

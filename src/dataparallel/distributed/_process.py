@@ -122,7 +122,7 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
         )
     present = [name for name in ENV_VARS if name in os.environ]
     if not present:
-        return DistInfo(0, 0, 1, _backend_device(None, 0), None)
+        return DistInfo(0, 0, 1, _backend_device(backend, 0), None)
     missing = [name for name in ENV_VARS if name not in os.environ]
     if missing:
         raise RuntimeError(
@@ -221,7 +221,7 @@ def local_device() -> torch.device:
 
 @contextmanager
 def ddp_session(
-    module: torch.nn.Module, **ddp_kwargs: Any
+    module: torch.nn.Module, *, backend: str | None = None, **ddp_kwargs: Any
 ) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
     """Run ``module`` under ``DistributedDataParallel`` for the length of a ``with`` block.
 
@@ -247,6 +247,8 @@ def ddp_session(
 
     Args:
         module: the model; it is moved to this rank's device.
+        backend: force a backend, as in :func:`init_distributed` (``"gloo"`` runs the ranks on
+            the CPU of a GPU machine); ``None`` picks nccl with CUDA, else gloo.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
     Yields:
@@ -255,11 +257,11 @@ def ddp_session(
     from torch.nn.parallel import DistributedDataParallel
 
     try:
-        info = init_distributed()
+        info = init_distributed(backend=backend)
         if info.backend is None:
-            backend = _default_backend()
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            info = dataclasses.replace(info, backend=backend)
+            chosen = backend or _default_backend()
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1)
+            info = dataclasses.replace(info, backend=chosen)
         module.to(info.device)
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs)

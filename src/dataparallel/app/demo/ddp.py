@@ -101,7 +101,8 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
     )
     config = run_config(data, batch_size, opts, lr)
-    with ddp_session(net) as (ddp, info):
+    backend = "gloo" if opts.devices == "cpu" else None  # --devices cpu: the CPU, even with GPUs
+    with ddp_session(net, backend=backend) as (ddp, info):
         main, world, device = info.rank == 0, info.world_size, info.device
         counts, sizes = _rank_batches(len(data.train_y), world, batch_size)
         if min(sizes) < 1:

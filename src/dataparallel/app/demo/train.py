@@ -245,21 +245,29 @@ def _in_torchrun() -> bool:
 def _check_options(opts: TrainOptions) -> None:
     if opts.strategy not in ("dp", "ddp"):
         raise UsageError(f"--strategy: expected dp or ddp, got {opts.strategy!r}")
-    if opts.strategy == "ddp" and opts.devices != "auto":
+    if opts.strategy == "ddp" and opts.devices not in ("auto", "cpu"):
         raise UsageError(
-            f"--devices: applies to --strategy dp; ddp runs one process per device (its "
-            f"LOCAL_RANK), got --devices {opts.devices!r}; drop --devices or use --strategy dp"
+            f"--devices: under --strategy ddp, expected auto (one process per GPU, its "
+            f"LOCAL_RANK; the CPU where there is none) or cpu (every process on the CPU, gloo), "
+            f"got --devices {opts.devices!r}; use one of those, or --strategy dp for a list"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if opts.strategy == "ddp" and opts.devices == "auto" and 0 < gpus < opts.nproc_per_node:
+        raise UsageError(
+            f"--nproc-per-node: ddp on GPUs runs one process per GPU, and this machine has "
+            f"{gpus}, got --nproc-per-node {opts.nproc_per_node}; use --nproc-per-node {gpus}, "
+            f"or add --devices cpu to run {opts.nproc_per_node} processes on the CPU (gloo)"
         )
     if opts.strategy == "dp" and opts.nproc_per_node != 1:
         raise UsageError(
             f"--nproc-per-node: applies to --strategy ddp, got {opts.nproc_per_node!r} with dp; "
             f"add --strategy ddp or drop --nproc-per-node"
         )
-    if opts.strategy == "ddp" and opts.batchnorm == "sync" and not torch.cuda.is_available():
+    if opts.strategy == "ddp" and opts.batchnorm == "sync" and (not gpus or opts.devices == "cpu"):
         # torch's DistributedDataParallel refuses SyncBatchNorm on CPU modules: say so first.
         raise UsageError(
             "--sync-bn: under --strategy ddp, SyncBatchNorm is torch's, which synchronises "
-            "through the process group on GPUs only, and this machine has none; use "
+            "through the process group on GPUs only, and this run has none; use "
             "--strategy dp --devices cpu,cpu (the replicas of one process synchronise on the "
             "CPU), or --batchnorm"
         )
