@@ -223,7 +223,10 @@ def test_each_replica_runs_its_hooks_bound_to_itself() -> None:
 
 
 class Holder:
-    """An object holding the module: its ``__call__`` cannot be rebound to a replica."""
+    """An object holding the module that a copy cannot rebuild (slots, no ``__dict__``): its
+    ``__call__`` cannot be rebound to a replica."""
+
+    __slots__ = ("module", "threads")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -232,6 +235,42 @@ class Holder:
     def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
         self.threads.append(threading.get_ident())
         self.module.feature = output  # type: ignore[union-attr]
+
+
+class OwnHolder:
+    """The same holder as an ordinary object of the user's own class (a ``__dict__``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.threads: list[int] = []
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self.threads.append(threading.get_ident())
+        self.module.feature = output  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_an_object_of_the_users_own_holding_the_module_is_rebuilt_per_replica(
+    devices: list[str],
+) -> None:
+    """Each replica's hook is a copy of the holder pointing at that replica: the replicas run
+    in parallel, without a warning, and the module keeps replica 0's feature (its chunk's)."""
+    torch.manual_seed(0)
+    model = Captures()
+    holder = OwnHolder(model)
+    model.lin.register_forward_hook(holder)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(7, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapper(x)
+    feature, runs = model.feature, len(holder.threads)
+    assert holder.module is model  # the user's holder is left as it was
+    assert runs == len(devices)  # the copies share the holder's list
+    first = -(-7 // len(devices))  # replica 0's chunk
+    assert feature is not None
+    with torch.no_grad():
+        assert_close_rel(feature.detach(), model.lin(x[:first]), msg="replica 0's feature")
 
 
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)

@@ -117,11 +117,10 @@ def structure_key(modules: list[nn.Module]) -> list[Any]:
 
 
 # A module's tables whose contents a replica copies: the values and names of the first three
-# are part of the snapshot, and the length of the hook tables (a hook is added or removed
-# through torch's methods, which always change the count; rewriting an entry in place is not
-# seen). The other hook tables (state_dict and load hooks) do not change what a replica
-# computes, and the ``*_with_kwargs``/``*_always_called`` tables only ever change together
-# with the forward hook tables.
+# are part of the snapshot, and the values and length of the hook tables (a hook swapped for
+# another keeps the count). The other hook tables (state_dict and load hooks) do not change
+# what a replica computes, and the ``*_with_kwargs``/``*_always_called`` tables only ever
+# change together with the forward hook tables.
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -154,10 +153,12 @@ class _ModuleState:
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
         tables = [d.get(k) for k in _STRUCTURE]
-        self.valued: list[dict[Any, Any]] = [d, *(t for t in tables if isinstance(t, dict))]
-        self.named: list[dict[Any, Any]] = self.valued[1:]
-        hooks = [d.get(k) for k in _HOOKS]
-        self.counted: list[Any] = [*self.valued, *(t for t in hooks if isinstance(t, dict))]
+        named = [t for t in tables if isinstance(t, dict)]
+        self.named: list[dict[Any, Any]] = named
+        hooks = [t for t in (d.get(k) for k in _HOOKS) if isinstance(t, dict)]
+        # The hooks themselves too: one removed and another registered keeps the count.
+        self.valued: list[dict[Any, Any]] = [d, *named, *hooks]
+        self.counted: list[Any] = self.valued
         self.lens = list(map(len, self.counted))
         self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
         self.keys = list(chain.from_iterable(self.named))

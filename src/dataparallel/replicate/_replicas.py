@@ -176,7 +176,7 @@ class Replicas(TensorSync):
         dictionaries are refilled (all of them on the first call).
         """
         snapshot = self.snapshot
-        if snapshot is not None and snapshot.same():
+        if snapshot is not None and snapshot.same() and self.rebinding.same():
             return self._refresh(root)
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
@@ -186,7 +186,8 @@ class Replicas(TensorSync):
             replicas = self.sync_once(root)
             self.snapshot = Snapshot(modules)
         else:
-            self.refilled = snapshot.changed()
+            # a module written, or a holder its replicas copied (a list of submodules)
+            self.refilled = sorted({*snapshot.changed(), *self.rebinding.changed()})
             replicas = self._sync(root, self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
