@@ -452,3 +452,38 @@ def test_accelerates_own_module_hooks_run_on_each_replica(devices: list[str]) ->
     model.eval()
     oracle.eval()
     assert_close_rel(wrapper(x), oracle(x), msg="output")
+
+
+class _SerialModel(nn.Module):
+    """A model whose ``lin`` has a hook that cannot be rebound, and the wrapper layers that
+    wrap replicas before they run: SyncBatchNorm, a step method."""
+
+    def __init__(self, syncbn: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.SyncBatchNorm(4) if syncbn else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+    def train_step(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self(x).sum()}
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+@pytest.mark.parametrize("layer", ["syncbn", "train_step", "compile"])
+def test_the_one_at_a_time_mark_holds_under_every_wrapper_layer(
+    layer: str, devices: list[str]
+) -> None:
+    model = _SerialModel(syncbn=layer == "syncbn")
+    holder = Holder(model)
+    model.lin.register_forward_hook(holder)
+    options = {"compile": {"backend": "eager"}} if layer == "compile" else {}
+    wrapper = dp.DataParallel(model, devices, **options)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-at-a-time warning (tested above)
+        for _ in range(2):
+            x = torch.randn(6, 4)
+            wrapper.train_step(x) if layer == "train_step" else wrapper(x)
+    assert set(holder.threads) == {threading.get_ident()}, "a replica ran on a pool thread"
+    assert len(holder.threads) == 2 * len(devices)

@@ -49,7 +49,7 @@ from dataparallel.parallel_apply._task import (
     _span,
     _Task,
 )
-from dataparallel.replicate import SERIAL
+from dataparallel.replicate import serial_mark
 
 __all__ = ["apply_replicas", "in_order", "parallel_apply", "wait_for"]
 
@@ -62,6 +62,7 @@ def parallel_apply(
     *,
     timings: list[Any] | None = None,
     syncbn: SyncCall | None = None,
+    serial: str | None = None,
 ) -> list[Any]:
     """Apply ``modules[i]`` to ``inputs[i]`` (and ``kwargs_tup[i]``) on ``devices[i]``, in
     parallel.
@@ -80,6 +81,9 @@ def parallel_apply(
         syncbn: the call's SyncBatchNorm rendezvous (``DataParallel`` makes it with
             ``_syncbn.sync_call``; see ``_rendezvous``); without it each replica's layers act
             per chunk.
+        serial: why the replicas must run one after another on the calling thread (the mark
+            ``replicate`` set on them, read by a caller that runs them wrapped: compiled, as
+            step methods); ``None`` reads it from ``modules`` themselves.
 
     Returns:
         The outputs, in the order of ``modules``.
@@ -123,7 +127,7 @@ def parallel_apply(
         check_runnable(resolved, where="devices")
     if timings is not None:
         timings.clear()  # replaced, not appended to
-    return apply_replicas(modules, inputs, kwargs_tup, resolved, timings, syncbn)
+    return apply_replicas(modules, inputs, kwargs_tup, resolved, timings, syncbn, serial)
 
 
 def apply_replicas(
@@ -133,6 +137,7 @@ def apply_replicas(
     devices: Sequence[torch.device],
     timings: list[Any] | None = None,
     syncbn: SyncCall | None = None,
+    serial: str | None = None,
 ) -> list[Any]:
     """``parallel_apply`` for arguments already checked: one entry each per module, devices
     resolved and runnable (``DataParallel`` checked them at construction). ``timings``, when
@@ -143,6 +148,8 @@ def apply_replicas(
     n = len(modules)
     if n == 0:
         return []
+    if serial is None:  # read before any wrapping below
+        serial = serial_mark(modules)
     if syncbn is not None and n > 1:
         modules = cast(Sequence[nn.Module], syncbn.bind(modules))
     else:
@@ -191,9 +198,7 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
-    elif (deterministic := _deterministic() and _shared_generator(devices)) or SERIAL in getattr(
-        modules[1], "__dict__", ()
-    ):
+    elif (deterministic := _deterministic() and _shared_generator(devices)) or serial:
         # One after another on the caller's thread, in replica order: reproducible draws from
         # a generator the replicas share (deterministic algorithms), or a hook or forward that
         # leads to the user's module and cannot be rebound to each replica (replicate warned

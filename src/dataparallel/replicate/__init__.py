@@ -53,7 +53,7 @@ from dataparallel.replicate._compiled import (
     check_not_compiled,
     warn_compiled_wrapper,
 )
-from dataparallel.replicate._rebind import SERIAL
+from dataparallel.replicate._rebind import SERIAL, serial_mark
 from dataparallel.replicate._replicas import Replicas
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "clear_replica_cache",
     "fresh_replicate",
     "replicate",
+    "serial_mark",
     "warn_compiled_wrapper",
 ]
 

@@ -32,6 +32,7 @@ import operator
 import types
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "rebind",
     "rebind_state",
     "replica_zero_grad",
+    "serial_mark",
 ]
 
 # How deep, and through how many objects, a value is searched for something to rebind. Past
@@ -513,6 +515,16 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool:
         else:
             stack.extend(gc.get_referents(obj))
     return False
+
+
+def serial_mark(replicas: Sequence[Any]) -> str | None:
+    """Why ``replicate`` marked these replicas to run one after another (its ``SERIAL`` mark
+    on replica 1's ``__dict__``), or ``None``. Read from what ``replicate`` returned, before
+    anything wraps the replicas."""
+    if len(replicas) < 2:
+        return None
+    mark: str | None = getattr(replicas[1], "__dict__", {}).get(SERIAL)
+    return mark
 
 
 def replica_zero_grad(set_to_none: bool = True) -> None:

@@ -420,7 +420,8 @@ class DataParallel(nn.DataParallel):
         """torch's signature: run each replica on its inputs, on the pool's threads."""
         devices = self.__dict__.get("_wave_devices") or self.device_ids[: len(replicas)]
         sync = self.__dict__.get("_wave_sync")
-        return parallel_apply(replicas, inputs, kwargs, devices, syncbn=sync)
+        serial = self.__dict__.get("_wave_serial")
+        return parallel_apply(replicas, inputs, kwargs, devices, syncbn=sync, serial=serial)
 
     def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
         """torch's signature: one output on ``output_device``, chunk sizes inferred."""

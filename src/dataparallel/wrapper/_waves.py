@@ -18,7 +18,7 @@ from torch import nn
 from dataparallel.gather import Origins, ScalarMode, first_batch_size, gather_outputs
 from dataparallel.parallel_apply import apply_replicas, sync_call
 from dataparallel.plan import Plan
-from dataparallel.replicate import CompiledReplicas
+from dataparallel.replicate import CompiledReplicas, serial_mark
 from dataparallel.scatter import take
 from dataparallel.wrapper._partial_sums import shares_count, weight_total
 from dataparallel.wrapper._placement import copy_buffers_back
@@ -149,6 +149,7 @@ def apply_wave(
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
     alone = len(replicas) == 1 and replicas[0] is module
     options = w.__dict__.get("compile_options")  # (None in a wrapper from before)
+    serial = serial_mark(replicas)  # replicate's mark, before compile= or a step wraps them
     run = replicas if options is None else CompiledReplicas.of(w, options).wrap(replicas)
     if method is not None:  # train_step & co.: each replica runs its own method
         run = [StepCall(replica, method) for replica in replicas]
@@ -158,14 +159,16 @@ def apply_wave(
         # the wave's SyncBatchNorm rendezvous)
         w.__dict__["_wave_devices"] = devices
         w.__dict__["_wave_sync"] = sync
+        w.__dict__["_wave_serial"] = serial
         try:
             outputs = w.parallel_apply(run, args, kws)
         finally:
             w.__dict__.pop("_wave_devices", None)
             w.__dict__.pop("_wave_sync", None)
+            w.__dict__.pop("_wave_serial", None)
         timers += [float("nan")] * len(devices)
     else:
-        outputs = apply_replicas(run, args, kws, devices, timers, sync)
+        outputs = apply_replicas(run, args, kws, devices, timers, sync, serial)
     if replicas[0] is not module and not later:  # a later wave's writes are dropped
         copy_buffers_back(replicas[0], module)
     return outputs
