@@ -180,3 +180,28 @@ def test_compiling_a_wrapper_made_with_compile_says_it_adds_nothing() -> None:
             torch.testing.assert_close(outer(x), model(x))
     assert len(rec) == 1
     assert 1 <= len(backend.graphs) <= 2  # the replicas are compiled all the same
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+@pytest.mark.parametrize("kind", ["forward hook", "forward pre-hook", "swapped hook"])
+def test_compile_sees_hooks_changed_after_the_first_call(kind: str, devices: list[str]) -> None:
+    """dynamo does not guard on module hooks: the wrapper compiles again after a hook of the
+    tree changed, so every replica (device 0 included) runs it, as one device does."""
+    torch._dynamo.reset()
+    model = _model()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices, compile={"backend": "eager"})
+    x = torch.randn(7, 4)
+    assert_close_rel(wrapper(x), oracle(x), msg="before the hook")
+    handles = []
+    for net in (model, oracle):
+        if kind == "forward pre-hook":
+            net[0].register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+        else:
+            handles.append(net[0].register_forward_hook(lambda m, i, o: o + 1.0))
+    assert_close_rel(wrapper(x), oracle(x), msg=f"after the {kind}")
+    if kind == "swapped hook":
+        for net, handle in zip((model, oracle), handles, strict=True):
+            handle.remove()
+            net[0].register_forward_hook(lambda m, i, o: o - 3.0)
+        assert_close_rel(wrapper(x), oracle(x), msg="after the swap")

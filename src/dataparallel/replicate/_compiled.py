@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dataparallel._common.warn import warn_user
+from dataparallel.replicate._rebind import HOOKS_SEEN
 
 __all__ = [
     "CompiledReplica",
@@ -134,10 +135,14 @@ class CompiledReplicas:
     def __init__(self, options: Mapping[str, Any]) -> None:
         self.source = options  # the wrapper's dict, to tell when it is replaced
         self.options = dict(options)
+        self.hooks: list[Any] = []  # the hooks the call was compiled for (identities)
+        self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
+        self.call = self._compile()
+
+    def _compile(self) -> Any:
         code = _call.__code__.replace()  # a copy: a code object of this table's own
         own = types.FunctionType(code, _call.__globals__, "compiled_replica_call")
-        self.call = torch.compile(own, **self.options)
-        self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
+        return torch.compile(own, **self.options)
 
     @classmethod
     def of(cls, wrapper: Any, options: dict[str, Any]) -> CompiledReplicas:
@@ -149,7 +154,18 @@ class CompiledReplicas:
         return table
 
     def wrap(self, replicas: Sequence[nn.Module]) -> list[nn.Module]:
-        """Each replica as a module that runs it through the compiled call, in order."""
+        """Each replica as a module that runs it through the compiled call, in order.
+
+        dynamo does not guard on module hooks: after a forward hook or pre-hook of the tree was
+        added, removed or swapped (the replica set keeps the hooks it saw at its last fill), the
+        call is compiled again, so no replica runs a stale graph. The lists are compared only
+        when a set holds a new one (after a refill, or in another set)."""
+        hooks = replicas[-1].__dict__.get(HOOKS_SEEN, []) if len(replicas) > 1 else []
+        if hooks is not self.hooks:
+            if hooks != self.hooks:
+                self._table.clear()
+                self.call = self._compile()
+            self.hooks = hooks
         table = self._table
         out = []
         for replica in replicas:

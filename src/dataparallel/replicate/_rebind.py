@@ -42,6 +42,7 @@ from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import filled
 
 __all__ = [
+    "HOOKS_SEEN",
     "MAX_DEPTH",
     "REBOUND_TABLES",
     "SERIAL",
@@ -62,6 +63,11 @@ MAX_VISITS = 20_000
 # The key a replica's __dict__ holds when its set must run one replica at a time (the value
 # says why); read by parallel_apply.
 SERIAL = "_dataparallel_serial"
+
+# The key of a replica root's __dict__ that holds the tree's forward hooks and pre-hooks (their
+# identities) as of the last fill: a compiled call made for other hooks must be made again
+# (dynamo does not guard on hooks). Read by ``CompiledReplicas``.
+HOOKS_SEEN = "_dataparallel_hooks"
 
 # The hook tables whose hooks are rebound (each replica gets its own copy of a table that holds
 # one). Load-state-dict hooks are left: loading into a replica is not something forward does.

@@ -37,7 +37,13 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
-from dataparallel.replicate._rebind import SERIAL, Rebinding, rebind_state, replica_zero_grad
+from dataparallel.replicate._rebind import (
+    HOOKS_SEEN,
+    SERIAL,
+    Rebinding,
+    rebind_state,
+    replica_zero_grad,
+)
 from dataparallel.replicate._records import (
     NOT_YET,
     Key,
@@ -87,6 +93,7 @@ class Replicas(TensorSync):
             self.sources.append(Source(i, None if i == 0 else m, through))
         self.compiled_seen = False  # whether the eager-replica warning was given
         self.rebinding = Rebinding()  # what each replica's __dict__ rebinds to the replica
+        self.hooks_seen: list[Any] = []  # the forward hooks at the last fill (identities)
         wrapped = [s.through for s in self.sources if s.through is not None]
         if wrapped and len(devices) > 1:
             self._warn_compiled(f"torch.compile({type(modules[wrapped[0]]).__name__})")
@@ -320,8 +327,16 @@ class Replicas(TensorSync):
                 set_dict(node.module, "__dict__", d)
         # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
         reason = rebinding.reason(modules, len(self.devices))
+        hooks = [
+            tuple(map(id, table.values()))
+            for m in modules
+            for table in (m._forward_hooks, m._forward_pre_hooks)
+        ]
+        if hooks != self.hooks_seen:
+            self.hooks_seen = hooks
         for replica in self.replicas[self.first :]:
             d = replica.nodes[0].module.__dict__
+            d[HOOKS_SEEN] = self.hooks_seen
             if reason is None:
                 d.pop(SERIAL, None)
             else:
