@@ -4,10 +4,10 @@ A model's code reaches a stateful submodule (a call counter with a parameter) th
 path: holders of every kind (list, tuple, dict, OrderedDict, namedtuple, SimpleNamespace,
 dataclass, an object of the user's own, a closure, a ``functools.partial``), 1 to 6 deep, from
 the class's ``forward``, a forward hook, a forward pre-hook, an instance ``forward`` that wraps
-the original bound method, or a module-level name read by a hook. Between calls the path may
-change: its innermost mutable holder retargeted to another submodule, or the hook swapped for
-another. Every output, gradient and the counters' state must equal the same model run on one
-device, on the three device lists.
+the original bound method, or a module-level name read by a hook or by the class's forward.
+Between calls the path may change: its innermost mutable holder retargeted to another
+submodule, or the hook swapped for another. Every output, gradient and the counters' state
+must equal the same model run on one device, on the three device lists.
 
 The oracle is a deep copy of the model run on the whole batch; the rule for state a forward
 writes is replica 0's writes, which here equal one device's (each replica counts one call).
@@ -46,7 +46,7 @@ KINDS = (
     "partial",
 )
 MUTABLE = ("list", "dict", "odict", "namespace", "dataclass", "object")
-ROUTES = ("call", "hook", "prehook", "instance_forward", "global")
+ROUTES = ("call", "hook", "prehook", "instance_forward", "global", "global_call")
 CHANGES = ("none", "retarget", "swap_hook")
 
 Pair = namedtuple("Pair", ["a", "b"])
@@ -141,6 +141,7 @@ class Model(nn.Module):
         self.counter = Counter(0.5)
         self.other = Counter(-0.25)
         self.kinds, self.route = kinds, route
+        self.key = id(self)  # the module-level entry of the "global" routes (replicas copy it)
         path: Any = self.counter
         self.holders: list[Any] = []  # innermost first, for a retarget
         for kind in kinds:
@@ -162,8 +163,10 @@ class Model(nn.Module):
         elif self.route == "instance_forward":
             orig = lin.forward
             lin.forward = types.MethodType(lambda s, x: follow(kinds, path)(orig(x)), lin)
+        elif self.route == "global_call":  # the class's forward reads a module-level name
+            GLOBAL_PATHS[self.key] = path
         else:  # "global": the hook reads a module-level name
-            key = id(self)
+            key = self.key
             GLOBAL_PATHS[key] = path
             self.handle = lin.register_forward_hook(
                 lambda m, i, o: follow(kinds, GLOBAL_PATHS[key])(o)
@@ -173,6 +176,8 @@ class Model(nn.Module):
         y = self.lin(x)
         if self.route == "call":
             y = follow(self.kinds, self.path)(y)
+        elif self.route == "global_call":
+            y = follow(self.kinds, GLOBAL_PATHS[self.key])(y)
         return y.tanh()
 
 
@@ -251,6 +256,7 @@ FOUND = [
     pytest.param(("object", "closure", "dict"), "hook", "none", id="object-closure-dict-hook"),
     pytest.param((), "instance_forward", "none", id="monkey-patched-forward"),
     pytest.param(("dict",), "global", "none", id="module-level-name-in-hook"),
+    pytest.param(("object",), "global_call", "none", id="module-level-name-in-class-forward"),
     pytest.param(("list",), "call", "retarget", id="list-item-set-between-calls"),
     pytest.param(("dict",), "call", "retarget", id="dict-item-set-between-calls"),
     pytest.param(("tuple",), "hook", "swap_hook", id="hook-swapped-between-calls"),

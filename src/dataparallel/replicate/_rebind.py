@@ -133,7 +133,7 @@ class Rebinding:
         for i in indices:
             d = modules[i].__dict__
             search = _Pass(probe)
-            keys = bound_keys(d, search)
+            keys = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
                 self.watched[i] = search.copied
@@ -452,13 +452,25 @@ def contents(value: Any) -> list[Any]:
     return [*state.keys(), *state.values()] if isinstance(state, dict) else []
 
 
-def bound_keys(d: dict[str, Any], probe: Mapping | _Pass) -> tuple[str, ...]:
+# The key ``bound_keys`` gives for a class's own ``forward`` that reads a module-level name
+# leading to the tree: each replica gets that function, rebound, as its instance ``forward``.
+CLASS_FORWARD = "forward of the class"
+
+
+def bound_keys(
+    d: dict[str, Any], probe: Mapping | _Pass, cls: type | None = None
+) -> tuple[str, ...]:
     """The entries of a module's ``__dict__`` (plain attributes, and the hook tables of
     :data:`REBOUND_TABLES`) that hold something :func:`rebind` changes, with ``probe`` any
-    mapping of the tree's module ids (or a pass over one, which then records what it copied).
-    Searched once per module per refill; most modules have none."""
+    mapping of the tree's module ids (or a pass over one, which then records what it copied);
+    :data:`CLASS_FORWARD` when the class's ``forward`` reads a module-level name that leads to
+    the tree. Searched once per module per refill; most modules have none."""
     search = probe if isinstance(probe, _Pass) else _Pass(probe)
     found: list[str] = []
+    if cls is not None and "forward" not in d:
+        forward = getattr(cls, "forward", None)
+        if type(forward) is types.FunctionType and search.rebind(forward, 0) is not forward:
+            found.append(CLASS_FORWARD)
     for name, value in d.items():
         if type(value) in _ATOMS or name in _SKIPPED:
             continue
@@ -471,11 +483,18 @@ def bound_keys(d: dict[str, Any], probe: Mapping | _Pass) -> tuple[str, ...]:
     return tuple(found)
 
 
-def rebind_state(d: dict[str, Any], keys: tuple[str, ...], search: _Pass) -> None:
+def rebind_state(
+    d: dict[str, Any], keys: tuple[str, ...], search: _Pass, replica: nn.Module
+) -> None:
     """Rebind the entries ``keys`` of a replica's new ``__dict__`` ``d`` in ``search`` (a pass
     over one replica's mapping: a holder shared by two modules stays one holder on the
     replica); a hook table gets a new table of its own (the source's is never written)."""
     for name in keys:
+        if name == CLASS_FORWARD:
+            forward = getattr(type(replica), "forward", None)
+            if type(forward) is types.FunctionType:
+                d["forward"] = types.MethodType(search.rebind(forward, 0), replica)
+            continue
         value = d[name]
         if name in REBOUND_TABLES:
             d[name] = OrderedDict((k, search.rebind(h, 0)) for k, h in value.items())

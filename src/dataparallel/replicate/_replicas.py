@@ -323,7 +323,7 @@ class Replicas(TensorSync):
                 if keys:  # methods and hooks bound to the tree: bound to this replica
                     if mapping is None:
                         mapping = rebinding.mapping(modules, [n.module for n in replica.nodes])
-                    rebind_state(d, keys, mapping)
+                    rebind_state(d, keys, mapping, node.module)
                 set_dict(node.module, "__dict__", d)
         # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
         reason = rebinding.reason(modules, len(self.devices))
@@ -389,7 +389,7 @@ class Replicas(TensorSync):
         if keys:
             modules = self.modules(root)
             objects = [n.module for n in replica.nodes]
-            rebind_state(d, keys, self.rebinding.mapping(modules, objects))
+            rebind_state(d, keys, self.rebinding.mapping(modules, objects), node.module)
         rep = node.module
         if SERIAL in rep.__dict__:  # the root's mark, set by the last fill
             d[SERIAL] = rep.__dict__[SERIAL]
