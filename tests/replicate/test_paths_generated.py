@@ -268,3 +268,41 @@ FOUND = [
 @pytest.mark.parametrize(("kinds", "route", "what"), FOUND)
 def test_found_paths(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> None:
     check(kinds, route, what, devices)
+
+
+class Ordered(nn.Module):
+    """Submodules run in the order of a plain list and a dict of them (not ModuleList/Dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Counter(0.5), Counter(-1.5), Counter(2.0)
+        self.order: list[nn.Module] = [self.a]
+        self.route: dict[str, nn.Module] = {"first": self.a}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.order:
+            x = m(x)
+        return self.route["first"](x).tanh()
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+@pytest.mark.parametrize("how", ["append", "item set", "slice assignment"])
+def test_a_plain_list_or_dict_of_submodules_changed_in_place(how: str, devices: list[str]) -> None:
+    torch.manual_seed(0)
+    model, oracle = Ordered(), Ordered()
+    oracle.load_state_dict(model.state_dict())
+    wrapper = dp.DataParallel(model, devices)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        if step == 1:
+            for m in (model, oracle):
+                if how == "append":
+                    m.order.append(m.c)
+                elif how == "item set":
+                    m.route["first"] = m.c
+                else:
+                    m.order[:] = [m.b]
+        x = torch.randn(5, 4, generator=gen)
+        assert_close_rel(wrapper(x), oracle(x), msg=f"{how}, call {step}")
+        for (name, b), c in zip(model.named_buffers(), oracle.buffers(), strict=True):
+            assert_close_rel(b, c, msg=f"{how}, call {step}: buffer {name}")
