@@ -198,6 +198,7 @@ def gather_all(
         else step_rules(outputs[0], w.__dict__.get("output_rules")),
         w._modules["module"],  # (past nn.Module.__getattr__, on every call)
         origins,
+        w.__dict__.get("_warned"),  # warnings shown once per wrapper
     )
 
 
