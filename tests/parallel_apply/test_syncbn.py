@@ -307,7 +307,12 @@ def test_explain_says_which_layers_are_synchronised() -> None:
     assert "1 SyncBatchNorm layer(s) ('2') are synchronised over the replicas" in text
     assert "1 BatchNorm layer(s) ('1') normalise each chunk with its own statistics" in text
     waves = dp.DataParallel(module, ["cpu", "cpu:1"], max_size=2).explain(torch.randn(8, 4))
-    assert "statistics of the wave" in str(waves) and "once per wave" in str(waves)
+    note = " ".join(waves.notes)
+    # Issue 42: each wave's samples named, and the running statistics updated once per call
+    # (the note said "once per wave"; test_waves_... below checks what the call does).
+    assert "statistics of each wave" in note and "the waves hold samples 0-3, 4-7" in note
+    assert "running statistics once per call, from the first wave" in note
+    assert "running statistics from the first wave's replica 0 chunk" in note
     alone = dp.DataParallel(module, ["cpu"]).explain(torch.randn(8, 4))
     assert alone.notes == [
         "BatchNorm: one replica per wave, so every BatchNorm layer sees the wave's whole "
@@ -528,3 +533,23 @@ def test_deterministic_ctrl_c_releases_the_replicas_waiting_for_their_turn(
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(7, 3))  # replica 1 waits for its turn, replica 0 is interrupted
     assert model(torch.randn(6, 3)).shape == (6, 3)
+
+
+def test_waves_normalise_contiguous_slices_and_update_running_statistics_once() -> None:
+    # What explain's note says under max_size (issue 42): 8 samples on three devices with
+    # max_size=2 run as waves [[2, 1, 1], [2, 1, 1]], samples 0-3 then 4-7, each wave one
+    # BatchNorm batch, and the running statistics are the first wave's, once per call.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
+    model = dp.DataParallel(synced, ["cpu", "cpu:1", "cpu:1"], max_size=2)
+    x = torch.randn(8, 4)
+    plan = model.explain(x)
+    assert plan.waves == [[2, 1, 1], [2, 1, 1]]
+    assert "the waves hold samples 0-3, 4-7" in " ".join(plan.notes)
+    out = model(x)
+    first, second = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert_close_rel(out, torch.cat([first(x[:4]), second(x[4:])]), rtol=RTOL, msg="waves")
+    assert int(synced[1].num_batches_tracked) == 1
+    assert_close_rel(synced[1].running_mean, first[1].running_mean, rtol=RTOL, msg="mean")
+    assert_close_rel(synced[1].running_var, first[1].running_var, rtol=RTOL, msg="var")

@@ -67,6 +67,14 @@ def check_on_device(module: nn.Module, device: torch.device) -> None:
         if not same_device(tensor.device, device):
             # "cpu:1" is a replica slot, not a place: the tensor goes to the CPU
             where = "cpu" if device.type == "cpu" else str(device)
+            if tensor.device.type == "meta":  # no data to move, and no device to list
+                raise RuntimeError(
+                    f"module: expected its parameters and buffers on {device} "
+                    f"(device_ids[0]), found {name!r} on the meta device, which holds no data "
+                    f"(and is refused in device_ids); materialise the module first, "
+                    f"model.module.to_empty(device={where!r}) and then load its weights "
+                    f"(load_state_dict)"
+                )
             raise RuntimeError(
                 f"module: expected its parameters and buffers on {device} (device_ids[0]), "
                 f"found {name!r} on {tensor.device}; move it first with "
