@@ -296,7 +296,9 @@ def in_order(devices: Sequence[torch.device]) -> bool:
     drawing from one generator at once take their numbers in a racing order, so dropout would
     differ between two runs with the same seed. In order, replica 0 draws first, then replica
     1, and so on: the same seed gives the same result. Code that needs every replica of a call
-    running at once (a collective across replicas) checks this first.
+    running at once (a collective across replicas) checks this first. (A call with a
+    SyncBatchNorm rendezvous under deterministic algorithms runs its replicas on the pool in
+    turns instead, ``apply_replicas``: they still meet at the layers.)
     """
     return len(devices) > 1 and (
         getattr(_local, "in_worker", False)
