@@ -240,14 +240,14 @@ ERRORS = [
         lambda: dp.scatter((cyclic_dict(),), CPU2),
         ValueError,
         r"^args\[0\]\['self'\]",
-        "dp.Shared",
+        r"back-reference \(dp.Shared does not help",
     ),
     Err(
         "cyclic-wrapper",
         lambda: run(lambda x: x, cyclic_list()),
         ValueError,
         r"^args\[0\]\[1\]",
-        "dp.Shared",
+        r"back-reference \(dp.Shared does not help",
     ),
     Err(
         "deep-2000",

@@ -36,6 +36,49 @@ def test_batchnorm_statistics_update_when_device_zero_gets_no_chunk() -> None:
     assert int(net[1].num_batches_tracked) == 1
 
 
+class WritesItsState(nn.Module):
+    """A forward that writes its own state: a plain counter, a name, a buffer of seen samples."""
+
+    seen: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.calls = 0
+        self.last = "none"
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = f"chunk of {x.shape[0]}"
+        self.seen += x.shape[0]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize(
+    ("devices", "chunk_sizes"),
+    [(["cpu", OTHER, OTHER], [0, 4, 3]), ([OTHER, OTHER], None), (["cpu", OTHER, OTHER], None)],
+    ids=["device-0-skipped", "module-not-on-replica-0", "replica-0-is-the-module"],
+)
+def test_what_a_forward_writes_lands_once_whoever_is_replica_0(
+    devices: list[torch.device | str], chunk_sizes: list[int] | None
+) -> None:
+    # Issue 42: with replica 0 not the module itself (chunk_sizes=[0, 4, 3]), buffers were
+    # written back but plain attributes were not (self.calls stayed 0). Both land now, once per
+    # call, from replica 0's chunk, as where replica 0 is the module.
+    torch.manual_seed(0)
+    net = WritesItsState()
+    oracle = copy.deepcopy(net)
+    model = dp.DataParallel(net, devices, chunk_sizes=chunk_sizes)
+    x = torch.randn(7, 4)
+    for call in (1, 2):
+        torch.testing.assert_close(model(x), oracle(x))
+        first = model.last_call.chunk_sizes[0]  # type: ignore[union-attr]
+        assert net.calls == call
+        assert net.last == f"chunk of {first}"
+        assert int(net.seen) == call * first
+
+
 def test_criterion_follows_a_sum_reduction() -> None:
     torch.manual_seed(1)
     lin = nn.Linear(4, 3)

@@ -43,12 +43,13 @@ def too_deep(obj: Any, path: str, ancestors: list[int]) -> None:
     if id(obj) in ancestors:
         raise ValueError(
             f"{path}: a {type(obj).__name__} that contains itself (a cycle), expected a tree of "
-            f"containers; pass a copy without the back-reference, or wrap it in dp.Shared(...) "
-            f"to broadcast it as is"
+            f"containers; pass a copy without the back-reference (dp.Shared does not help: "
+            f"its tensors are moved to each device by the same walk)"
         )
     raise ValueError(
-        f"{path[:60]}...: containers nested {len(ancestors)} levels deep, expected at most "
-        f"{MAX_DEPTH}; flatten the input, or wrap it in dp.Shared(...) to broadcast it as is"
+        f"{path[:60]}...: containers nested more than {MAX_DEPTH} levels deep, expected at "
+        f"most {MAX_DEPTH}; flatten the input (dp.Shared does not help: its tensors are moved "
+        f"to each device by the same walk)"
     )
 
 

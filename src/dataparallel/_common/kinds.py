@@ -5,7 +5,7 @@ namedtuples, lists, Mappings (dicts, OrderedDicts, ``MappingProxyType``, model-o
 and dataclasses. This module is the one place that classifies a value (:func:`kind_of`, one
 dict lookup per class), lists a container's children in order (:func:`struct_items`: dict order
 as given, never sorted) and names their paths (:func:`path_key`: ``args[1]['boxes']``,
-``output.logits``). Rebuilding a container is :mod:`dataparallel._common.rebuild`'s job, walking
+``output.hidden[0]``). Rebuilding a container is :mod:`dataparallel._common.rebuild`'s job, walking
 a whole tree :mod:`dataparallel._common.tree`'s.
 
 The kinds are strings, the same for inputs and outputs. :func:`kind_of` gives the full kind
@@ -177,7 +177,8 @@ def item_types(items: Iterable[Any], /) -> set[type]:
 
 
 def path_key(kind: Kind, key: Any) -> str:
-    """The path suffix of one child: ``[0]``, ``['boxes']`` or ``.logits``."""
+    """The path suffix of one child: ``[0]``, ``['boxes']`` (a Mapping's key, a model-output
+    class's field too) or ``.field`` (a dataclass's, a namedtuple's)."""
     if kind in (DATACLASS, NAMEDTUPLE):
         return f".{key}"
     return f"[{key!r}]"

@@ -36,6 +36,7 @@ from dataparallel.devices import target_device as resolve_target
 from dataparallel.gather._output_rules import (
     check_output_rules,
     rnn_state_shapes,
+    warn_squeezed,
     warn_unmatched,
 )
 from dataparallel.gather._outputs import (
@@ -62,9 +63,11 @@ class _Context:
         "scalars",
         "seen",
         "sizes",
+        "squeezed",
         "states",
         "target",
         "total",
+        "warned",
         "weights",
     )
 
@@ -95,6 +98,12 @@ class _Context:
         # of a pair (tensor, state), state a tensor or a pair (h_n, c_n). Made on first need.
         self.roles: dict[Any, str] | None = None
         self.states: frozenset[tuple[int, int]] | None = None  # read from module when needed
+        # The keys of warnings already given by this wrapper (its ``_warned``), so that a
+        # warning the walk gives shows once per wrapper; None: Python's filter decides.
+        self.warned: set[tuple[str, ...]] | None = None
+        # (path, rule) of 0-dim outputs of 1-sample chunks: a loss or a squeezed per-sample
+        # output, which no rule can tell apart (one warning per call, after the walk)
+        self.squeezed: list[tuple[str, str]] = []
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
         """The module's RNN hidden-state shapes, read once per gather, on first need."""
@@ -194,6 +203,7 @@ def gather_outputs(
     output_rules: Mapping[str, int | str] | None = None,
     module: nn.Module | None = None,
     origins: Any = None,
+    warned: set[tuple[str, ...]] | None = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -204,7 +214,8 @@ def gather_outputs(
     along ``dim`` are concatenated (rule 1); anything else takes the rules' walk. ``sizes`` is
     ``None`` when the chunk sizes are not known (read from the outputs then). ``origins`` (a
     ``dataparallel.gather._origins.Origins``) tells a buffer or input each replica received from a
-    value it computed, for scalars that are not one object on every replica.
+    value it computed, for scalars that are not one object on every replica. ``warned`` is the
+    wrapper's set of warnings already given, so that the walk's warnings show once per wrapper.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -226,14 +237,27 @@ def gather_outputs(
             target, dim, None if sizes is None else tuple(sizes), scalars, len(outputs), weights
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
-        ctx.origins = origins
+        ctx.origins, ctx.warned = origins, warned
         out = walk(outputs, None, ctx)
+        if ctx.squeezed:
+            _warn_squeezed(ctx)
         if ctx.rules:
             warn_unmatched(ctx.rules, ctx.seen)
         return out
     except (RecursionError, TooDeep):
         pass  # raised below, outside the handler, so the message is not chained to it
     raise _too_deep()
+
+
+def _warn_squeezed(ctx: _Context) -> None:
+    """One warning for the call's 0-dim outputs of 1-sample chunks, once per wrapper (its
+    ``_warned`` set) for the same paths, or once per place under Python's filter."""
+    key = ("squeezed-scalars", *(where for where, _ in ctx.squeezed))
+    if ctx.warned is not None:
+        if key in ctx.warned:
+            return
+        ctx.warned.add(key)
+    warn_squeezed(ctx.squeezed, cast(tuple[int, ...], ctx.sizes))
 
 
 def _too_deep() -> ValueError:

@@ -14,7 +14,8 @@ Two kinds of outputs look alike across replicas while meaning different things:
   the sum over the chunks) or a constant (``num_classes``: one device returns it once).
 
 ``output_rules={path: rule}`` says it outright for one output, by the path the messages print
-(``"output[1][0]"``, ``"output['n']"``, ``"output.logits"``): an int is the output's batch
+(``"output[1][0]"``, ``"output['n']"``, ``"output['logits']"``; a model-output class's field
+as an attribute too, ``"output.logits"``): an int is the output's batch
 dimension (concatenated along it), ``"sum"``, ``"mean"`` or ``"stack"`` reduce it across
 replicas, ``"all"`` and ``"any"`` reduce booleans (elementwise for tensors), ``"same"`` keeps one
 copy (the replicas must agree), ``"list"`` keeps one per replica.
@@ -41,6 +42,7 @@ __all__ = [
     "note_roles",
     "rnn_state_shapes",
     "warn_even_count",
+    "warn_squeezed",
     "warn_unmatched",
 ]
 
@@ -100,6 +102,29 @@ def warn_even_count(where: str, value: Any, size: int, total: int) -> None:
         f"device returns; on an even split a constant equal to the chunk size looks the same. "
         f"If it is a constant, pass output_rules={{{where!r}: 'same'}}; if it is a count, "
         f"output_rules={{{where!r}: 'sum'}} says so and silences this"
+    )
+
+
+def warn_squeezed(found: list[tuple[str, str]], sizes: tuple[int, ...]) -> None:
+    """The case the scalar rule cannot tell: every replica returned a 0-dim value from a
+    1-sample chunk, at each path of ``found`` (with the reduction it got, ``"mean"`` or
+    ``"sum"``). A per-chunk loss looks like that, and so does a per-sample output whose batch
+    dimension ``squeeze()`` removed (``nn.Linear(h, 1)(x).squeeze()`` on a last batch of 2 on
+    two devices), which one device returns as a vector of the batch size. One warning for all
+    the paths of a call."""
+    n = len(sizes)
+    paths = ", ".join(where for where, _ in found)
+    first = found[0][0]
+    silence = {where: rule for where, rule in found}
+    warn_user(
+        f"{paths}: every replica returned a 0-dim value from a 1-sample chunk (chunk sizes "
+        f"{list(sizes)}), so it is read as a per-chunk scalar (a loss, a count) and reduced to "
+        f"one value (a float averaged, chunk-weighted; an integer summed). A per-sample output "
+        f"that lost its batch dimension looks the same: nn.Linear(h, 1)(x).squeeze() on a batch "
+        f"of {n} in {n} one-sample chunks, where one device returns shape ({n},). If it is "
+        f"per-sample, keep the batch dimension (squeeze(-1)) or pass "
+        f"output_rules={{{first!r}: 'stack'}} (one value per sample, in batch order); if it is a "
+        f"per-chunk scalar, output_rules={silence!r} says so and silences this"
     )
 
 

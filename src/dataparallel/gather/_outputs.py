@@ -38,6 +38,7 @@ __all__ = [
     "all_equal",
     "arrays_equal",
     "fmt",
+    "fmt_attributes",
     "rebuild_at",
     "sum_all",
     "to_target",
@@ -51,13 +52,37 @@ Path = Any
 # checked and concatenated at C speed. Subclasses take the full walk.
 
 
+# Accessors in a path: "[" an item (a list or tuple index, a Mapping key), "." a field (a
+# namedtuple's, a dataclass's), FIELD a model-output class's field (a Mapping that is also a
+# dataclass, such as transformers' ``SequenceClassifierOutput``). Its users write both
+# ``out["logits"]`` and ``out.logits``: the messages print the first (the model outputs' own
+# ``keys()`` are what is walked), and ``output_rules`` accepts either (``fmt_attributes``).
+FIELD = "@"
+
+
 def fmt(path: Path) -> str:
-    """The path as the messages print it: ``output['attn'][0]``, ``output.logits``."""
+    """The path as the messages print it: ``output['attn'][0]``, ``output.hidden[1]``; a
+    model-output class's field as a key, ``output['logits']``."""
     parts: list[str] = []
     while path is not None:
         path, accessor, key = path
         parts.append(f".{key}" if accessor == "." else f"[{key!r}]")
     return "output" + "".join(reversed(parts))
+
+
+def fmt_attributes(path: Path) -> str | None:
+    """The path with each model-output field spelled as an attribute (``output.logits``), the
+    other spelling ``output_rules`` accepts; ``None`` when the path has no such field."""
+    parts: list[str] = []
+    found = False
+    while path is not None:
+        path, accessor, key = path
+        if accessor == FIELD and isinstance(key, str) and key.isidentifier():
+            found = True
+            parts.append(f".{key}")
+        else:
+            parts.append(f".{key}" if accessor == "." else f"[{key!r}]")
+    return "output" + "".join(reversed(parts)) if found else None
 
 
 def to_target(obj: Any, target: torch.device, path: Path) -> Any:

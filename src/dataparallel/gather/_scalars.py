@@ -36,6 +36,9 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         raise _booleans_differ(values, path)
     if ctx.scalars == "stack":
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
+    sizes = ctx.sizes
+    if sizes is not None and len(values) > 1 and all(n == 1 for n in sizes):
+        _check_squeezed(values, path, ctx)
     if any(isinstance(v, torch.Tensor) for v in values):
         # as_tensor moves a tensor like .to (differentiably) and makes one of a number
         tensors = [torch.as_tensor(v, device=target) for v in values]
@@ -72,6 +75,24 @@ def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) ->
     if all_equal(plain):
         return values[0]
     return sum_all(plain)
+
+
+def _check_squeezed(values: list[Any], path: _Path, ctx: _Ctx) -> None:
+    """Every chunk has one sample: 0-dim tensors or ndarrays computed by every replica may be a
+    per-chunk loss or a per-sample output whose batch dimension ``squeeze()`` removed. Noted in
+    ``ctx.squeezed`` (gather warns once for all of them), unless every replica returned what it
+    received (a buffer, a broadcast input)."""
+    if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 for v in values):
+        return  # Python numbers are counts or constants (_gather_ints), not squeezed tensors
+    if _one_value(values, ctx):
+        return
+    summed = ctx.scalars == "sum" or not any(
+        v.dtype.is_floating_point or v.dtype.is_complex
+        if isinstance(v, torch.Tensor)
+        else np.issubdtype(v.dtype, np.inexact)
+        for v in values
+    )
+    ctx.squeezed.append((fmt(path), "sum" if summed else "mean"))
 
 
 def _one_value(values: list[Any], ctx: _Ctx) -> bool:

@@ -51,9 +51,11 @@ from dataparallel.gather._output_rules import (
 )
 from dataparallel.gather._outputs import (
     ATOMS,
+    FIELD,
     all_equal,
     arrays_equal,
     fmt,
+    fmt_attributes,
     rebuild_at,
     to_target,
 )
@@ -78,6 +80,10 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         ctx.seen.append(where)
         if where in ctx.rules:
             return apply_rule(values, where, ctx.rules[where], ctx, _concat)
+        alias = fmt_attributes(path)  # a model output's field as an attribute: output.logits
+        if alias is not None and alias in ctx.rules:
+            ctx.seen.append(alias)
+            return apply_rule(values, where, ctx.rules[alias], ctx, _concat)
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:
@@ -302,17 +308,21 @@ def _gather_mappings(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     keys = first.keys()
     if any(v.keys() != keys for v in values[1:]):
         raise _mismatch(path, "keys", [list(v.keys()) for v in values])
-    data = {k: walk([v[k] for v in values], (path, "[", k), ctx) for k in keys}
     if not dataclasses.is_dataclass(first):
+        data = {k: walk([v[k] for v in values], (path, "[", k), ctx) for k in keys}
         return rebuild_at(path, rebuild_mapping, first, data)
-    extra = _gather_fields(values, path, ctx, [n for n in fields_of(type(first)) if n not in data])
+    # A model-output class: its fields, set (keys) or None (attributes only), are named
+    # output['logits'] alike, and output_rules accepts output.logits too (FIELD).
+    data = {k: walk([v[k] for v in values], (path, FIELD, k), ctx) for k in keys}
+    names = [n for n in fields_of(type(first)) if n not in data]
+    extra = _gather_fields(values, path, ctx, names, FIELD)
     return rebuild_at(path, rebuild_record, first, extra, data)
 
 
 def _gather_fields(
-    values: list[Any], path: _Path, ctx: _Ctx, names: Iterable[str]
+    values: list[Any], path: _Path, ctx: _Ctx, names: Iterable[str], accessor: str = "."
 ) -> list[tuple[str, Any]]:
-    return [(n, walk([getattr(v, n) for v in values], (path, ".", n), ctx)) for n in names]
+    return [(n, walk([getattr(v, n) for v in values], (path, accessor, n), ctx)) for n in names]
 
 
 def _gather_dataclasses(values: list[Any], path: _Path, ctx: _Ctx) -> Any:

@@ -18,8 +18,10 @@ Under ``torch.use_deterministic_algorithms(True)``, replicas that share a random
 (every CPU replica shares the CPU's; replicas on one GPU share that GPU's) run one after
 another on the caller's thread, in replica order: threads drawing from one generator at once
 take their numbers in a racing order, so dropout would differ between two runs with the same
-seed. Without it they run at once and CPU lists are not reproducible. ``in_order`` is the one
-test of all the cases in which replicas run one after another.
+seed. Without it they run at once and CPU lists are not reproducible. A call with
+``nn.SyncBatchNorm`` layers in training runs them on the pool instead, taking turns in replica
+order (``_rendezvous``: ``ordered``), so the layers still meet and see the whole batch.
+``in_order`` is the one test of all the cases in which replicas run one after another.
 
 A call's ``nn.SyncBatchNorm`` rendezvous (``_rendezvous``) is marked concurrent
 only on the path that runs the replicas at once; on every path that runs them one after
@@ -198,18 +200,14 @@ def apply_replicas(
             _execute_first(task)
         if any(t.error is not None for t in tasks):
             why = thread_state.active_state()
-    elif (deterministic := _deterministic() and _shared_generator(devices)) or serial:
+    elif (syncbn is None and _deterministic() and _shared_generator(devices)) or serial:
         # One after another on the caller's thread, in replica order: reproducible draws from
-        # a generator the replicas share (deterministic algorithms), or a hook or forward that
-        # leads to the user's module and cannot be rebound to each replica (replicate warned
-        # once), which must never run from two threads at once.
-        if syncbn is not None:
-            syncbn.why = (
-                "torch.use_deterministic_algorithms(True) (replicas sharing a generator run in "
-                "order)"
-                if deterministic
-                else "a hook or forward that cannot be rebound to each replica"
-            )
+        # a generator the replicas share (deterministic algorithms; with SyncBatchNorm layers
+        # they take turns on the pool instead, below), or a hook or forward that leads to the
+        # user's module and cannot be rebound to each replica (replicate warned once), which
+        # must never run from two threads at once.
+        if syncbn is not None:  # (deterministic runs with SyncBatchNorm take turns instead)
+            syncbn.why = "a hook or forward that cannot be rebound to each replica"
         for task in tasks:
             _execute_first(task)
     else:
@@ -223,6 +221,9 @@ def apply_replicas(
             _run_on_pool(tasks, worker_slots)
         else:
             syncbn.concurrent = True
+            # Deterministic algorithms and a shared generator: the replicas take turns (in
+            # replica order, handing on at each layer), so their draws keep one order.
+            syncbn.ordered = _deterministic() and _shared_generator(devices)
             # Interrupted, no replica may wait for one that will not run.
             _run_on_pool(tasks, worker_slots, syncbn.abort)
 
@@ -300,7 +301,9 @@ def in_order(devices: Sequence[torch.device]) -> bool:
     drawing from one generator at once take their numbers in a racing order, so dropout would
     differ between two runs with the same seed. In order, replica 0 draws first, then replica
     1, and so on: the same seed gives the same result. Code that needs every replica of a call
-    running at once (a collective across replicas) checks this first.
+    running at once (a collective across replicas) checks this first. (A call with a
+    SyncBatchNorm rendezvous under deterministic algorithms runs its replicas on the pool in
+    turns instead, ``apply_replicas``: they still meet at the layers.)
     """
     return len(devices) > 1 and (
         getattr(_local, "in_worker", False)

@@ -29,6 +29,13 @@ behaviour. The rendezvous is used
 only when the pool runs the replicas at once (``concurrent``): replicas run one after another
 (under a ``torch.func`` transform or a dispatch mode, or nested in a replica) normalise each
 chunk on its own, with a warning.
+
+Under ``torch.use_deterministic_algorithms(True)`` replicas that share a random generator must
+not draw from it at once (the draws would land in a racing order). There the call is
+``ordered``: the replicas run on the pool but take turns, in replica order, handing the turn on
+at each layer (once they have handed in their statistics) and when they finish. Only one runs
+at any moment, so every draw happens in the same order on every run, and the layers still see
+the whole batch: same seed, same result, and one device's statistics.
 """
 
 from __future__ import annotations
@@ -122,6 +129,10 @@ class SyncCall:
         self.devices = devices
         self.n = len(devices)
         self.concurrent = False
+        # Set with ``concurrent`` under deterministic algorithms: the replicas take turns
+        # (``turn`` is the one running), so draws from a shared generator keep one order.
+        self.ordered = False
+        self.turn = 0
         self.why = ""  # set by the runner when the replicas ran one after another
         self.timeout = WAIT_SECONDS
         self.cond = threading.Condition(threading.Lock())
@@ -144,6 +155,8 @@ class SyncCall:
                 self._warn_sequential()
             return module(*args, **kwargs)
         try:
+            if self.ordered:
+                self._take_turn(j, None)
             with _Mode(self, j):
                 result = module(*args, **kwargs)
         except BaseException as exc:
@@ -162,6 +175,8 @@ class SyncCall:
             if self.failure is None:
                 for slot in self.slots.values():
                     self._complete(slot)
+            if self.ordered and self.turn == j:
+                self._pass_turn(j)
             self.cond.notify_all()
 
     def abort(self, error: BaseException) -> None:
@@ -266,7 +281,11 @@ class SyncCall:
                     )
             self.waiting[j] = key
             try:
-                self._wait_for(j, key, slot, deadline)
+                if self.ordered:
+                    self._pass_turn(j)  # handed in: the next replica's turn
+                    self._take_turn(j, slot, key, deadline)
+                else:
+                    self._wait_for(j, key, slot, deadline)
             finally:
                 del self.waiting[j]
             mean_all, invstd_all, var_all, total = slot.result  # type: ignore[misc]
@@ -294,6 +313,51 @@ class SyncCall:
                     ),
                 )
             self.cond.wait(left)
+
+    def _pass_turn(self, j: int) -> None:
+        """Under the lock: the turn goes from replica ``j`` to the next replica still running,
+        in replica order (round robin), and every waiter is woken to look."""
+        for d in range(1, self.n + 1):
+            i = (j + d) % self.n
+            if i not in self.left:
+                self.turn = i
+                break
+        self.cond.notify_all()
+
+    def _take_turn(
+        self,
+        j: int,
+        slot: _Slot | None,
+        key: tuple[Any, int] = (-1, 0),
+        deadline: float | None = None,
+    ) -> None:
+        """Wait until it is replica ``j``'s turn and, at a layer, its ``slot`` is complete
+        (``ordered`` calls). Given the turn while its slot still waits for others, it hands
+        the turn on. Released by a failure, or an error after the time is up."""
+        if slot is None:
+            self.cond.acquire()
+        try:
+            deadline = time.monotonic() + self.timeout if deadline is None else deadline
+            while self.turn != j or (slot is not None and slot.result is None):
+                if self.failure is not None:
+                    raise self._released(key)
+                if self.turn == j:  # our slot waits for a replica after us
+                    self._pass_turn(j)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._fail(
+                        j,
+                        TimeoutError(
+                            f"SyncBatchNorm: replica {j} waited {self.timeout:g} s for its turn"
+                            + (f" at layer {self._name(key)}" if slot is not None else "")
+                            + "; a replica is stuck (run the call on one device, or convert "
+                            "the layer back to BatchNorm)"
+                        ),
+                    )
+                self.cond.wait(left)
+        finally:
+            if slot is None:
+                self.cond.release()
 
     def _fail(self, j: int, error: BaseException) -> BaseException:
         """Record replica ``j``'s ``error`` as the call's failure and wake every waiter (under
@@ -352,9 +416,8 @@ class SyncCall:
     def _released(self, key: tuple[Any, int]) -> ReplicaFailed:
         i, what = self.failure or (-1, "unknown")
         who = "the call was interrupted" if i < 0 else f"replica {i} failed"
-        return ReplicaFailed(
-            f"SyncBatchNorm layer {self._name(key)}: stopped waiting because {who} ({what})"
-        )
+        where = f"layer {self._name(key)}" if key[0] != -1 else "its turn to start"
+        return ReplicaFailed(f"SyncBatchNorm {where}: stopped waiting because {who} ({what})")
 
 
 def _describe(error: BaseException) -> str:

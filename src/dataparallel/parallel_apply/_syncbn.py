@@ -64,18 +64,25 @@ def batchnorm_note(module: nn.Module, waves: list[list[int]]) -> str:
         )
     parts = []
     if synced:
-        scope = "the wave" if len(waves) > 1 else "the batch"
+        scope = "the batch (every replica's chunk)"
+        if len(waves) > 1:  # each wave is a contiguous slice of the batch: say which
+            ends = [sum(sum(w) for w in waves[: i + 1]) for i in range(len(waves))]
+            ranges = ", ".join(
+                f"{start}-{end - 1}" for start, end in zip([0, *ends[:-1]], ends, strict=True)
+            )
+            scope = f"each wave (every replica's chunk of it; the waves hold samples {ranges})"
         parts.append(
             f"{len(synced)} SyncBatchNorm layer(s) ({_names(synced)}) are synchronised over "
             f"the replicas: in training mode they normalise with the statistics of {scope} "
-            f"(every replica's chunk) and update their running statistics once"
-            + (" per wave" if len(waves) > 1 else "")
+            f"and update their running statistics once per call"
+            + (", from the first wave" if len(waves) > 1 else "")
         )
     if per_chunk:
+        first = "the first wave's replica 0 chunk" if len(waves) > 1 else "replica 0's chunk"
         parts.append(
             f"{len(per_chunk)} BatchNorm layer(s) ({_names(per_chunk)}) normalise each chunk "
             f"with its own statistics, as in torch.nn.DataParallel (running statistics from "
-            f"replica 0's chunk); nn.SyncBatchNorm.convert_sync_batchnorm(model) makes them "
+            f"{first}); nn.SyncBatchNorm.convert_sync_batchnorm(model) makes them "
             f"use the whole batch's"
         )
     return "BatchNorm: " + "; ".join(parts)

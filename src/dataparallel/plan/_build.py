@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataparallel._common.checks import check_batch_size_used, dim_out_of_range
@@ -58,7 +59,15 @@ def build_plan(
     weights: Sequence[float] | None = options.get("weights")
     max_size: int | None = options.get("max_size")
     dtype: torch.dtype | None = options.get("dtype")
-    strict: bool = bool(options.get("strict", False))
+    strict = options.get("strict", False)
+    if not isinstance(strict, (bool, np.bool_)):
+        # bool("no") is True: a truthy string or number must not switch strict mode on
+        raise TypeError(
+            f"strict: expected True or False, got {strict!r}; pass strict=True to make an "
+            f"input of another size than the batch an error, strict=False (the default) to "
+            f"broadcast it with a warning"
+        )
+    strict = bool(strict)
     if kwargs is None:
         kwargs = {}
     elif not isinstance(kwargs, Mapping):

@@ -19,9 +19,16 @@ import torch
 
 from dataparallel._common.checks import check_layout, check_mapping, too_deep
 from dataparallel._common.describe import describe
-from dataparallel._common.kinds import MAPPING, container_kind, item_types, path_key, struct_items
+from dataparallel._common.kinds import (
+    ATOMS,
+    MAPPING,
+    container_kind,
+    item_types,
+    path_key,
+    struct_items,
+)
 from dataparallel._common.packed import is_packed, sequence_count
-from dataparallel._common.tree import MAX_DEPTH
+from dataparallel._common.tree import MAX_DEPTH, TooDeep, leaves
 from dataparallel.markers import Shared, Split
 from dataparallel.plan._chunks import as_int
 from dataparallel.plan._program import Vote
@@ -128,6 +135,7 @@ class Collector:
                 self.votes.append(Vote(path, info.size, f"size along {self.axis}"))
             return info
         if isinstance(obj, Shared):
+            self._check_depth(obj.obj, path, len(self.ancestors) + 1)  # scatter moves its tensors
             return Info("shared", obj, path)
         if isinstance(obj, Split):
             return self._visit_split(obj, path)
@@ -153,6 +161,7 @@ class Collector:
                 info.types = types
                 info.size = len(obj)
                 self.votes.append(Vote(path, info.size, "length"))
+                self._check_items_depth(obj, types, path)
                 return info
         container = container_kind(obj)
         if container is None:
@@ -173,6 +182,30 @@ class Collector:
         ]
         ancestors.pop()
         return info
+
+    def _check_items_depth(self, obj: list[Any], types: set[type], path: str) -> None:
+        """A sequence's items do not vote, so they are not visited, but scatter walks them to
+        move the tensors inside (per-sample or broadcast): hold them to the nesting rule of
+        the visit, counted from the argument, so that ``dp.plan`` refuses what ``scatter`` and
+        the wrapper would (one rule for all three). Items that are tensors, ndarrays, names or
+        numbers hold nothing to walk."""
+        if types <= ATOMS or all(issubclass(t, (torch.Tensor, np.ndarray)) for t in types):
+            return
+        # leaves() refuses a container at its depth above MAX_DEPTH, the visit one with
+        # MAX_DEPTH ancestors: an item has this list and its ancestors above it.
+        depth = len(self.ancestors) + 2
+        for item in obj:
+            self._check_depth(item, path, depth)  # (the sequence's path, as scatter names it)
+
+    @staticmethod
+    def _check_depth(obj: Any, path: str, depth: int) -> None:
+        """Refuse containers in ``obj`` (at ``depth``, as ``leaves`` counts) nested more than
+        ``MAX_DEPTH`` levels from the argument, or a cycle, as scatter's walk would."""
+        try:
+            for _ in leaves(obj, _depth=depth):
+                pass
+        except TooDeep:
+            raise TooDeep(path) from None
 
     def _visit_split(self, marker: Split[Any], path: str) -> Info:
         inner = marker.obj

@@ -1,4 +1,4 @@
-"""Where the wrapped module's tensors are: the device check, and replica 0's buffers written back.
+"""Where the wrapped module's tensors are: the device check, and replica 0's writes copied back.
 
 ``DataParallel`` requires the module on ``device_ids[0]``, as torch's does. Checking every
 parameter on every call would cost a walk over a deep module, so the full check runs once and
@@ -67,6 +67,14 @@ def check_on_device(module: nn.Module, device: torch.device) -> None:
         if not same_device(tensor.device, device):
             # "cpu:1" is a replica slot, not a place: the tensor goes to the CPU
             where = "cpu" if device.type == "cpu" else str(device)
+            if tensor.device.type == "meta":  # no data to move, and no device to list
+                raise RuntimeError(
+                    f"module: expected its parameters and buffers on {device} "
+                    f"(device_ids[0]), found {name!r} on the meta device, which holds no data "
+                    f"(and is refused in device_ids); materialise the module first, "
+                    f"model.module.to_empty(device={where!r}) and then load its weights "
+                    f"(load_state_dict)"
+                )
             raise RuntimeError(
                 f"module: expected its parameters and buffers on {device} (device_ids[0]), "
                 f"found {name!r} on {tensor.device}; move it first with "
@@ -75,18 +83,30 @@ def check_on_device(module: nn.Module, device: torch.device) -> None:
             )
 
 
-def copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
-    """Give the module replica 0's buffers after a call that did not run it as replica 0.
+# Plain attribute values a forward's write is copied back for: immutable values, which a
+# replica holds as its own (a mutable object such as a list is shared with the module anyway;
+# tensors, modules and functions a replica holds are its own copies or rebound, not writes).
+_VALUES = frozenset({int, float, bool, complex, str, bytes, type(None)})
+# nn.Module's own bookkeeping (training flag, tables, hook flags): never written back.
+_MODULE_NAMES = frozenset(nn.Module().__dict__)
+
+
+def copy_writes_back(replica: nn.Module, module: nn.Module) -> None:
+    """Give the module what replica 0's forward wrote, after a call that did not run it as
+    replica 0: its buffers and its plain attributes of immutable values (``self.calls += 1``).
 
     That happens when ``device_ids[0]`` got no chunk (``chunk_sizes=[0, ...]``, a zero
     weight), or is another slot than the module's (``["cpu:1", ...]``): replica 0 then ran on
-    private buffers, and without this the module's BatchNorm statistics would never update.
-    Only the buffers replica 0's forward changed are written, as the forward on one device
+    private buffers and attributes, and without this the module's BatchNorm statistics and
+    counters would never update, where replica 0 as the module itself updates them once per
+    call. Only the buffers replica 0's forward changed are written, as the forward on one device
     would have: an earlier call's graph may have saved the others (BatchNorm in ``eval()``, a
     buffer used as a factor, directly or through ``.detach()``), and an in-place write, even of
     the same value, would break its backward. Values are compared, since BatchNorm updates its
-    running statistics without bumping their version; the cost (one comparison per buffer) is
-    paid only by calls whose replica 0 is not the module itself.
+    running statistics without bumping their version; the cost (one comparison per buffer and
+    per attribute) is paid only by calls whose replica 0 is not the module itself. Attributes:
+    a replica starts each call with the module's values (replicate keeps them in sync), so a
+    value that differs after the forward is one the forward wrote.
     """
     with torch.no_grad():
         for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
@@ -95,6 +115,19 @@ def copy_buffers_back(replica: nn.Module, module: nn.Module) -> None:
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
                 mine.copy_(value)
+    for own, copy in zip(module.modules(), replica.modules(), strict=True):
+        if own is copy:
+            continue
+        attributes = own.__dict__
+        for name, value in copy.__dict__.items():
+            if (
+                type(value) in _VALUES
+                and name in attributes
+                and name not in _MODULE_NAMES
+                and attributes[name] is not value
+                and attributes[name] != value
+            ):
+                attributes[name] = value  # (as the forward's own write: no __setattr__ hook)
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -21,7 +21,7 @@ from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas, serial_mark
 from dataparallel.scatter import take
 from dataparallel.wrapper._partial_sums import shares_count, weight_total
-from dataparallel.wrapper._placement import copy_buffers_back
+from dataparallel.wrapper._placement import copy_writes_back
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._steps import StepCall, step_rules
 
@@ -170,7 +170,7 @@ def apply_wave(
     else:
         outputs = apply_replicas(run, args, kws, devices, timers, sync, serial)
     if replicas[0] is not module and not later:  # a later wave's writes are dropped
-        copy_buffers_back(replicas[0], module)
+        copy_writes_back(replicas[0], module)
     return outputs
 
 
@@ -201,6 +201,7 @@ def gather_all(
         else step_rules(outputs[0], w.__dict__.get("output_rules")),
         w._modules["module"],  # (past nn.Module.__getattr__, on every call)
         origins,
+        w.__dict__.get("_warned"),  # warnings shown once per wrapper
     )
 
 
