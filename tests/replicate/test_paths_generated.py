@@ -6,8 +6,8 @@ dataclass, an object of the user's own, a closure, a ``functools.partial``), 1 t
 the class's ``forward``, a forward hook, a forward pre-hook, an instance ``forward`` that wraps
 the original bound method, or a module-level name read by a hook or by the class's forward.
 Between calls the path may change: its innermost mutable holder retargeted to another
-submodule, or the hook swapped for another. Every output, gradient and the counters' state
-must equal the same model run on one device, on the three device lists.
+submodule, the hook swapped for another, or a new path assigned. Every output, gradient and
+the counters' state must equal the same model run on one device, on the three device lists.
 
 The oracle is a deep copy of the model run on the whole batch; the rule for state a forward
 writes is replica 0's writes, which here equal one device's (each replica counts one call).
@@ -47,7 +47,7 @@ KINDS = (
 )
 MUTABLE = ("list", "dict", "odict", "namespace", "dataclass", "object")
 ROUTES = ("call", "hook", "prehook", "instance_forward", "global", "global_call")
-CHANGES = ("none", "retarget", "swap_hook")
+CHANGES = ("none", "retarget", "swap_hook", "reassign")
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -191,6 +191,14 @@ def change(model: Model, what: str) -> None:
                     inner = wrap(inner_kind, inner)
                 retarget(kind, holder, inner)
                 return
+    elif what == "reassign":  # a new path of the same kinds, assigned where the old one was
+        path: Any = model.other
+        for kind in model.kinds:
+            path = wrap(kind, path)
+        if model.route == "call":
+            model.path = path
+        elif model.route in ("global", "global_call"):
+            GLOBAL_PATHS[model.key] = path
     elif what == "swap_hook" and model.handle is not None:
         model.handle.remove()
         model.kinds = ()
