@@ -156,9 +156,10 @@ class _ModuleState:
         named = [t for t in tables if isinstance(t, dict)]
         self.named: list[dict[Any, Any]] = named
         hooks = [t for t in (d.get(k) for k in _HOOKS) if isinstance(t, dict)]
-        # The hooks themselves too: one removed and another registered keeps the count.
-        self.valued: list[dict[Any, Any]] = [d, *named, *hooks]
-        self.counted: list[Any] = self.valued
+        # The hooks themselves too, where there are some (one removed and another registered
+        # keeps the count); a table empty now changes its count with its first hook.
+        self.valued: list[dict[Any, Any]] = [d, *named, *(t for t in hooks if t)]
+        self.counted: list[Any] = [d, *named, *hooks]
         self.lens = list(map(len, self.counted))
         self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
         self.keys = list(chain.from_iterable(self.named))

@@ -80,9 +80,10 @@ REBOUND_TABLES = (
     "_state_dict_pre_hooks",
 )
 
-# __dict__ entries never searched: torch's own (every entry a bare module has: tables a fill
-# replaces or that hold no user code, flags), apart from the hook tables rebound above.
-_SKIPPED = frozenset(nn.Module().__dict__) - {"training"} - set(REBOUND_TABLES)
+# __dict__ entries never searched as attributes: torch's own (every entry a bare module has:
+# tables a fill replaces or that hold no user code, flags); the hook tables of
+# :data:`REBOUND_TABLES` are searched hook by hook, apart.
+_SKIPPED = frozenset(nn.Module().__dict__) - {"training"}
 # Types that never hold anything to rebind (most attributes): skipped by one set lookup.
 _ATOMS = frozenset(
     (bool, int, float, complex, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.dtype)
