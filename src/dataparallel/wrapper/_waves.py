@@ -15,12 +15,19 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, ScalarMode, first_batch_size, gather_outputs
+from dataparallel._common.tree import map_leaves
+from dataparallel.gather import (
+    CountRecord,
+    Origins,
+    ScalarMode,
+    first_batch_size,
+    gather_outputs,
+    unmark,
+)
 from dataparallel.parallel_apply import apply_replicas, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas
 from dataparallel.scatter import take
-from dataparallel.wrapper._partial_sums import shares_count, weight_total
 from dataparallel.wrapper._placement import copy_buffers_back
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._steps import StepCall, step_rules
@@ -33,8 +40,6 @@ __all__ = [
     "one_chunk",
     "replicate_wave",
     "scatter_wave",
-    "shares_count_of",
-    "weight_total_of",
 ]
 
 
@@ -45,6 +50,19 @@ class Overrides(NamedTuple):
     replicate: bool
     parallel_apply: bool
     gather: bool
+
+    @classmethod
+    def of(cls, subclass: type, base: type) -> Overrides:
+        """The steps ``subclass`` overrides of ``base``'s (``DataParallel``'s).
+
+        >>> from dataparallel import DataParallel
+        >>> class Mine(DataParallel):
+        ...     def gather(self, outputs, output_device):
+        ...         return outputs
+        >>> Overrides.of(Mine, DataParallel)
+        Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
+        """
+        return cls(*(getattr(subclass, n) is not getattr(base, n) for n in cls._fields))
 
 
 class Wrapper(Protocol):
@@ -76,7 +94,8 @@ class Wrapper(Protocol):
 def one_chunk(w: Wrapper, plan: Plan, steps: Overrides) -> Any:
     """A call planned as one chunk on the module's own device (every one-device call):
     ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
-    the caller's thread; nothing is replicated, no count is shared, no weight is read."""
+    the caller's thread; nothing is replicated, the count (``num_items_in_batch``) is passed
+    as it is, no weight is read."""
     device, start, length = plan.slices[0][0]
     args, kws = take(plan, start, length, device)
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
@@ -180,7 +199,13 @@ def gather_all(
     steps: Overrides,
     method: str | None = None,
     origins: Origins | None = None,
+    count: CountRecord | None = None,
 ) -> Any:
+    """The call's outputs gathered (or handed over, ``gather=False``, or to an overridden
+    ``gather``). ``count``: the call's marks of ``num_items_in_batch``; the built-in gather
+    sums what was computed from it, and code of the user's receives plain values."""
+    if count is not None and (not w.gather_outputs or steps.gather or len(outputs) == 1):
+        outputs = [map_leaves(unmark, out) for out in outputs]
     if not w.gather_outputs:
         return DeviceOutputs(outputs, devices, sizes)
     if steps.gather:
@@ -198,22 +223,5 @@ def gather_all(
         else step_rules(outputs[0], w.__dict__.get("output_rules")),
         w._modules["module"],  # (past nn.Module.__getattr__, on every call)
         origins,
+        count,
     )
-
-
-def shares_count_of(w: Wrapper, kwargs: Mapping[str, Any], plan: Plan, steps: Overrides) -> bool:
-    """Whether this call's chunks each get their share of ``num_items_in_batch``."""
-    default_gather = w.gather_outputs and not steps.gather and not w.__dict__.get("output_rules")
-    chunks = sum(len(wave) for wave in plan.slices)
-    return shares_count(kwargs, w._modules["module"], w.scalars, default_gather, chunks)
-
-
-def weight_total_of(
-    w: Wrapper, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: Overrides
-) -> float:
-    """The total weight of the call's chunks in the scalars' mean (``weight_total``)."""
-
-    def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
-        return scatter_wave(w, plan, wave, inputs, kwargs, steps)[:2]
-
-    return weight_total(plan.batch_size, plan.slices, w.scalar_weights, scatter)
