@@ -59,15 +59,31 @@ class CountRecord:
     """One call's marks: the marked types its replicas receive, and how the count was turned
     into a plain number (``escaped``), if it was."""
 
-    __slots__ = ("escaped", "float_type", "int_type", "tensor_type")
+    __slots__ = ("_types", "escaped")
 
     def __init__(self) -> None:
         self.escaped: str | None = None
-        # Types made per call, so each mark knows its call's record (two wrappers may run at
-        # once): results of torch ops keep the most derived subclass.
-        self.tensor_type: type[Counted] = type("Counted", (Counted,), {"record": self})
-        self.int_type: type[_CountInt] = type("CountInt", (_CountInt,), {"record": self})
-        self.float_type: type[_CountFloat] = type("CountFloat", (_CountFloat,), {"record": self})
+        # Types made per call (on first need), so each mark knows its call's record (two
+        # wrappers may run at once): results of torch ops keep the most derived subclass.
+        self._types: dict[type, type] = {}
+
+    def _type(self, base: Any) -> Any:
+        made = self._types.get(base)
+        if made is None:
+            made = self._types[base] = type(base.__name__, (base,), {"record": self})
+        return made
+
+    @property
+    def tensor_type(self) -> type[Counted]:
+        return self._type(Counted)
+
+    @property
+    def int_type(self) -> type[_CountInt]:
+        return self._type(_CountInt)
+
+    @property
+    def float_type(self) -> type[_CountFloat]:
+        return self._type(_CountFloat)
 
     def mark(self, value: Any) -> Any:
         """``value`` (the count a replica receives, already on its device) marked."""
