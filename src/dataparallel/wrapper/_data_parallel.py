@@ -67,6 +67,7 @@ from dataparallel.wrapper._waves import (
     one_chunk,
     replicate_wave,
     scatter_wave,
+    warn_unbatched,
 )
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
@@ -334,6 +335,8 @@ class DataParallel(nn.DataParallel):
         steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         slices = plan.slices
+        if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:
+            warn_unbatched(self, plan, len(self.device_ids), inputs, kwargs)  # nothing split
         if (
             len(slices) == 1
             and len(slices[0]) == 1

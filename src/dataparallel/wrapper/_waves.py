@@ -15,7 +15,8 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
-from dataparallel._common.tree import map_leaves
+from dataparallel._common.tree import leaves, map_leaves
+from dataparallel._common.warn import warn_user
 from dataparallel.gather import (
     CountRecord,
     Origins,
@@ -40,6 +41,7 @@ __all__ = [
     "one_chunk",
     "replicate_wave",
     "scatter_wave",
+    "warn_unbatched",
 ]
 
 
@@ -225,3 +227,35 @@ def gather_all(
         origins,
         count,
     )
+
+
+def warn_unbatched(w: Wrapper, plan: Plan, devices: int, inputs: Any, kwargs: Any) -> None:
+    """A call on several devices that runs on one because none of its inputs is batched (PyG's
+    whole ``Batch`` passed where a list of ``Data`` splits): said once per wrapper, naming
+    ``explain`` and the ways to split. A batch of one sample (a vote for 1) is not warned."""
+    if plan.votes or not plan.decided_by.startswith("default") or devices < 2:
+        return
+    warned = w.__dict__.setdefault("_warned", set())
+    if ("unbatched",) in warned or not _holds_data((inputs, kwargs)):
+        return  # (a call with no inputs, or only numbers and strings, has nothing to split)
+    warned.add(("unbatched",))
+    warn_user(
+        f"DataParallel over {devices} devices: no input of this call has a batch dimension "
+        f"along dim {w.dim} (w.explain(...) shows each input's rule), so the module ran once, "
+        f"on {plan.slices[0][0][0]} alone. To split the batch, pass it as a tensor batched "
+        f"along dim {w.dim} or as a list of per-sample items (PyG: a list of Data, with the "
+        f"Batch built inside forward), or mark it dp.Split(x); to run on one device on "
+        f"purpose, call w.module(...). Said once per wrapper"
+    )
+
+
+def _holds_data(tree: Any) -> bool:
+    """Whether ``tree`` holds something that could have been a batch: a tensor or ndarray of
+    one dimension or more, or an object (a PyG ``Batch``), not only numbers, strings, None."""
+    for leaf in leaves(tree):
+        if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+            continue
+        if getattr(leaf, "ndim", 1) == 0:
+            continue
+        return True
+    return False
