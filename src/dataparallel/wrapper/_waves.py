@@ -25,7 +25,7 @@ from dataparallel.gather import (
     gather_outputs,
     unmark,
 )
-from dataparallel.parallel_apply import apply_replicas, sync_call
+from dataparallel.parallel_apply import apply_replicas, as_arguments, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas
 from dataparallel.scatter import take
@@ -133,7 +133,8 @@ def scatter_wave(
             "max_size: waves need the built-in scatter, but scatter is overridden; "
             "drop max_size or the override"
         )
-    args, kws = w.scatter(inputs, kwargs, devices)
+    scattered, kws = w.scatter(inputs, kwargs, devices)
+    args = as_arguments(scattered)  # a list per device is its arguments, as in torch
     # the override chose the chunks: read their sizes, pair devices as torch does
     sizes = [first_batch_size((a, k), w.dim) or 0 for a, k in zip(args, kws, strict=True)]
     return args, kws, devices[: len(args)], sizes
