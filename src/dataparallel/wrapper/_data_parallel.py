@@ -369,7 +369,7 @@ class DataParallel(nn.DataParallel):
                 weights.extend(chunk_weights(self.scalar_weights, args, kws))
             if count is not None:
                 args, kws = mark_chunks(count, cast("str | int", slot), args, kws)
-            replicas = replicate_wave(self, wave_devices, bool(later))
+            replicas = replicate_wave(self, wave_devices, bool(later), steps)
             outputs += apply_wave(
                 self, replicas, args, kws, wave_devices, steps, timers, later, method
             )
@@ -432,6 +432,8 @@ class DataParallel(nn.DataParallel):
         sets: ReplicaSets | None = self.__dict__.get("_replica_sets")
         if sets is None:  # made lazily: a copied or unpickled wrapper has none
             sets = self.__dict__["_replica_sets"] = ReplicaSets()
+        if self.__dict__.get("_copies_only"):  # an override may write them: copies, as torch's
+            return sets.replicate(module, [self.src_device_obj, *device_ids])[1:]
         return sets.replicate(module, list(device_ids))
 
     def parallel_apply(

@@ -140,7 +140,9 @@ def scatter_wave(
     return args, kws, devices[: len(args)], sizes
 
 
-def replicate_wave(w: Wrapper, devices: list[torch.device], later: bool) -> list[nn.Module]:
+def replicate_wave(
+    w: Wrapper, devices: list[torch.device], later: bool, steps: Overrides
+) -> list[nn.Module]:
     """Replica 0 is the module itself: one chunk on its own device needs no replicate.
 
     Under ``max_size`` the module runs once per call, as on one device: in the first wave.
@@ -150,10 +152,19 @@ def replicate_wave(w: Wrapper, devices: list[torch.device], later: bool) -> list
     wave's replica 0; the copies' writes are dropped.
     """
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    if len(devices) == 1 and devices[0] == w.src_device_obj and not later:
+        return [module]
+    if steps.replicate or "replicate" in w.__dict__:
+        # An override (or patch_replication_callback's instance patch) may write the replicas
+        # (Synchronized-BatchNorm's __data_parallel_replicate__ tags them as parallel): every
+        # replica is then a copy, as torch's replica 0 is, and the module comes out untouched.
+        w.__dict__["_copies_only"] = True
+        try:
+            return w.replicate(module, devices)
+        finally:
+            w.__dict__.pop("_copies_only", None)
     if later:
         return w.replicate(module, [w.src_device_obj, *devices])[1:]
-    if len(devices) == 1 and devices[0] == w.src_device_obj:
-        return [module]
     return w.replicate(module, devices)
 
 
