@@ -296,3 +296,27 @@ def test_a_count_turned_into_a_plain_number_is_refused_naming_the_rule(how: str)
         ids, labels, num_items_in_batch=given
     )
     assert_close_rel(out["loss"], model(ids, labels, num_items_in_batch=given)["loss"])
+
+
+def test_equal_parts_are_still_parts() -> None:
+    """Two chunks of equal data give equal parts of the loss, in evaluation without a
+    gradient: each is still a part (computed from the count and the chunk), summed; a value
+    computed from the count alone (a tensor of its size) comes back once."""
+
+    class Both(TokenLM):
+        def forward(
+            self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+        ) -> Any:
+            out = super().forward(ids, labels, num_items_in_batch)
+            out["ones"] = ids.new_ones(num_items_in_batch)
+            return out
+
+    ids, labels, count = _batch(1)
+    ids, labels = ids.repeat(4, 1), labels.repeat(4, 1)  # four equal rows, two equal chunks
+    model = Both()
+    with torch.no_grad():
+        ref = model(ids, labels, num_items_in_batch=4 * count)
+        for n in (4 * int(count), 4 * count):
+            out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=n)
+            assert_close_rel(out["loss"], ref["loss"], msg="equal parts")
+            assert torch.equal(out["ones"], ref["ones"]) and type(out["ones"]) is torch.Tensor

@@ -13,7 +13,10 @@ To tell the two apart, each replica receives ``N`` as a marked value that behave
 an ``int`` subclass for an int, a ``float`` subclass for a float, a ``torch.Tensor`` subclass
 for a tensor. Every result computed from a marked value is marked (tensors through torch's
 ``__torch_function__`` protocol, numbers through their arithmetic), so gather sees which
-outputs depend on the count (``gather_counted``), and the marks are removed there. A value
+outputs depend on the count (``gather_counted``), and the marks are removed there. A
+tensor computed from the count and from other tensors (the chunk's data, the parameters) is
+marked a part (``CountedPart``) and always summed; one computed from the count alone (the count
+returned, ``n ** 0.5``, ``ids.new_ones(n)``) comes back once where the replicas agree. A value
 turned into a plain number (``float(n)``, ``n.item()``, ``math.sqrt(n)``) loses its mark: the
 call's ``CountRecord`` remembers it, and gather then refuses a floating scalar it cannot place
 (``check_unmarked``), naming ``num_items_in_batch`` and the ``output_rules`` entry that settles
@@ -27,6 +30,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch._tensor import _convert
+from torch.overrides import get_default_nowrap_functions
+from torch.utils._pytree import tree_leaves
 
 from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
 
@@ -34,6 +39,7 @@ __all__ = [
     "COUNT_KEYWORD",
     "CountRecord",
     "Counted",
+    "CountedPart",
     "check_unmarked",
     "gather_counted",
     "is_counted",
@@ -53,6 +59,10 @@ _TENSOR_ESCAPES = frozenset(
         torch.Tensor.numpy,
     }
 )
+
+
+# torch's own: getters whose results are never converted to the subclass (``.grad``, ``._base``)
+_NOWRAP = get_default_nowrap_functions()
 
 
 class CountRecord:
@@ -76,6 +86,10 @@ class CountRecord:
     @property
     def tensor_type(self) -> type[Counted]:
         return self._type(Counted)
+
+    @property
+    def part_type(self) -> type[CountedPart]:
+        return self._type(CountedPart)
 
     @property
     def int_type(self) -> type[_CountInt]:
@@ -106,8 +120,8 @@ class CountRecord:
 
 
 class Counted(torch.Tensor):
-    """A tensor computed from the count (or the count itself): results of torch ops on it are
-    ``Counted`` too. ``record`` is set on the per-call subclass."""
+    """A tensor computed from the count alone (or the count itself): results of torch ops on
+    it are marked too (``_run``). ``record`` is set on the per-call subclass."""
 
     record: ClassVar[CountRecord]
 
@@ -115,18 +129,51 @@ class Counted(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _TENSOR_ESCAPES:
             cls.record.escape(f"{COUNT_KEYWORD}.{func.__name__}()")
-        return super().__torch_function__(func, types, args, kwargs)
+        return _run(cls.record, func, args, kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         with torch._C.DisableTorchFunctionSubclass():
             return repr(self.as_subclass(torch.Tensor))
 
 
+class CountedPart(Counted):
+    """A tensor computed from the count and from other tensors (the chunk's data, the
+    parameters): a part of the one-device value, summed however the replicas' values compare
+    (two chunks of equal data give equal parts, and both count)."""
+
+
+# Methods whose tensor ``self`` gives only a dtype and a device: ``ids.new_zeros(n)`` is
+# computed from the count alone.
+_FACTORIES = frozenset(
+    {
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_tensor,
+    }
+)
+
+
+def _run(record: CountRecord, func: Any, args: Any, kwargs: Any) -> Any:
+    """A torch op with a marked value among its arguments, run unmarked; its tensors come back
+    marked: a part (``CountedPart``) when another tensor, or a part, took part in it."""
+    kwargs = kwargs or {}
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if func in _NOWRAP:
+        return out
+    inputs = (args[1:], kwargs) if func in _FACTORIES else (args, kwargs)
+    part = any(
+        isinstance(x, torch.Tensor) and (isinstance(x, CountedPart) or not isinstance(x, Counted))
+        for x in tree_leaves(inputs)
+    )
+    return _convert(out, record.part_type if part else record.tensor_type)
+
+
 def _torch_function(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
     """A torch op with a marked number among its arguments: its tensors come back marked."""
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **(kwargs or {}))
-    return _convert(out, cls.record.tensor_type)
+    return _run(cls.record, func, args, kwargs)
 
 
 def _marked(record: CountRecord, out: Any) -> Any:
@@ -245,12 +292,14 @@ def gather_counted(values: list[Any], path: Any, ctx: Any, batched: Any) -> Any:
     """The replicas' values at ``path``, one of them at least computed from the count.
 
     A part of the one-device value is summed: a loss divided by the count, guarded or scaled
-    by a root of it (scalars), or a per-class sum over it (tensors that are not batched). A
-    value equal on every replica that carries no gradient was computed from the count alone
-    (the count returned, ``n ** 0.5``): one device's, kept once. A batched tensor (each
+    by a root of it (scalars), or a per-class sum over it (tensors that are not batched),
+    whatever the values (``CountedPart``: computed with other tensors). A value computed from
+    the count alone (the count returned, ``n ** 0.5``) is one device's when equal on every
+    replica without a gradient, kept once. A batched tensor (each
     replica's has its chunk size along ``dim``) is per-sample: concatenated as always
     (``batched(values) -> output``).
     """
+    part = any(isinstance(v, CountedPart) for v in values)  # never a value of the count alone
     plain = [unmark(v) for v in values]
     target = ctx.target
     tensors = [v for v in plain if isinstance(v, torch.Tensor)]
@@ -261,7 +310,7 @@ def gather_counted(values: list[Any], path: Any, ctx: Any, batched: Any) -> Any:
             ):
                 return batched(plain)
             moved = [v.to(target) for v in plain]
-            if not any(v.requires_grad for v in moved) and arrays_equal(moved):
+            if not part and not any(v.requires_grad for v in moved) and arrays_equal(moved):
                 return moved[0]
             return sum_all(moved)
         raise ValueError(
@@ -272,7 +321,7 @@ def gather_counted(values: list[Any], path: Any, ctx: Any, batched: Any) -> Any:
         )
     if tensors:
         moved = [torch.as_tensor(v, device=target) for v in plain]
-        if not any(v.requires_grad for v in moved) and arrays_equal(moved):
+        if not part and not any(v.requires_grad for v in moved) and arrays_equal(moved):
             return plain[0].to(target) if isinstance(plain[0], torch.Tensor) else moved[0]
         return sum_all(moved)
     if all_equal(plain):
