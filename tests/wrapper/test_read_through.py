@@ -57,6 +57,7 @@ def _wrapped() -> tuple[Net, dp.DataParallel]:
 def test_reads_give_the_modules_attributes_and_methods() -> None:
     net, w = _wrapped()
     assert w.names is net.names and w.features is net.features and w.device == net.device
+    assert {"embed", "names", "explain", "module", "max_size"} <= set(dir(w))
     x = torch.randn(6, 4)
     assert w.embed.__self__ is net  # the module's own method: w.module.embed
     assert torch.equal(w.embed(x), net.embed(x))

@@ -56,7 +56,7 @@ from dataparallel.wrapper._placement import (
     sentinels_hold,
     sentinels_of,
 )
-from dataparallel.wrapper._read_through import owns, read_through
+from dataparallel.wrapper._read_through import names_of, owns, read_through
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
@@ -219,6 +219,9 @@ class DataParallel(nn.DataParallel):
                 setattr(self._modules["module"], name, value)
                 return
         super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return names_of(self, list(super().__dir__()))
 
     def __delattr__(self, name: str) -> None:
         if "_steps" in self.__dict__ and not owns(self, name):

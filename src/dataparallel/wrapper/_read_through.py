@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["WRAPPER_NAMES", "owns", "read_through"]
+__all__ = ["WRAPPER_NAMES", "names_of", "owns", "read_through"]
 
 # What a built wrapper holds in its ``__dict__`` (or nn.Module's tables) as its own: torch's
 # DataParallel attributes and this wrapper's options.
@@ -86,3 +86,11 @@ def read_through(wrapper: nn.Module, name: str, missing: AttributeError) -> Any:
                 f"are read on the module"
             ) from None
         raise exc  # a property of the module's that failed: its own error
+
+
+def names_of(wrapper: nn.Module, own: list[str]) -> list[str]:
+    """``dir(wrapper)``: its own names (``own``) and the module's public ones, which read
+    through (tab completion shows ``w.generate``)."""
+    module = wrapped(wrapper)
+    extra = [] if module is None else [n for n in dir(module) if not n.startswith("_")]
+    return sorted({*own, *extra})
