@@ -125,7 +125,7 @@ def test_trainer_predict_turns_the_cache_off_through_the_wrapper(tmp_path: Path)
     """Item 2: Trainer writes model.config.use_cache, which is the module's config: predict
     returns logits, not a DynamicCache per replica (before: TypeError in
     _pad_across_processes)."""
-    model = tiny_gpt2()
+    model: Any = tiny_gpt2()
     assert model.config.use_cache  # the default config
     wrapper = dp.DataParallel(model, ["cpu", "cpu"])
     assert wrapper.config is model.config
@@ -140,18 +140,19 @@ def test_load_unwrapped_restores_tied_weights(tmp_path: Path) -> None:
     strict about every other key."""
     from safetensors.torch import load_file
 
-    model = tiny_gpt2()
+    model: Any = tiny_gpt2()
     trainer = _run(dp.DataParallel(model, ["cpu", "cpu"]), tmp_path, 5)["trainer"]
     trainer.save_model(str(tmp_path / "saved"))
     saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
     assert "module.lm_head.weight" not in saved and "module.transformer.wte.weight" in saved
 
-    config = model.config  # type: ignore[union-attr]
-    loaded = dp.load_unwrapped(tmp_path / "saved", type(model)(config))
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # type: ignore[union-attr]
+    config = model.config
+    loaded: Any = dp.load_unwrapped(tmp_path / "saved", type(model)(config))
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name}: not loaded exactly"
-    assert not torch.equal(tiny_gpt2().transformer.wte.weight, model.transformer.wte.weight)  # type: ignore[union-attr]
+    fresh: Any = tiny_gpt2()
+    assert not torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)
 
     del saved["module.transformer.ln_f.bias"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*transformer\.ln_f\.bias"):

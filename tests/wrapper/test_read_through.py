@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any, cast
 
 import pytest
 import torch
@@ -90,9 +91,9 @@ def test_yolov5_de_parallel_reads_the_model_through_the_wrapper() -> None:
 
     net, w = _wrapped()
     assert not is_parallel(w)  # what a type() test sees (the guide's differences table)
-    detect = de_parallel(w).model[-1]  # type: ignore[index]
-    assert detect is net.model[-1] and detect.nl == 3
-    assert torch.equal(detect.stride, torch.tensor([8.0, 16.0, 32.0]))
+    detect = cast(Any, de_parallel(w)).model[-1]
+    assert torch.equal(detect.stride, torch.tensor([8.0, 16.0, 32.0])) and detect.nl == 3
+    assert detect is net.model[-1]
     x = torch.randn(5, 4)
     assert torch.allclose(w(x), net(x))
 

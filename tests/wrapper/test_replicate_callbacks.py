@@ -50,8 +50,9 @@ def execute_replication_callbacks(modules: list[nn.Module]) -> None:
         ctx.copies = len(modules)  # type: ignore[attr-defined]
     for i, module in enumerate(modules):
         for j, m in enumerate(module.modules()):
-            if hasattr(m, "__data_parallel_replicate__"):
-                m.__data_parallel_replicate__(ctxs[j], i)
+            callback = getattr(m, "__data_parallel_replicate__", None)
+            if callback is not None:
+                callback(ctxs[j], i)
 
 
 class DataParallelWithCallback(dp.DataParallel):
@@ -85,7 +86,7 @@ def _check(wrapper: dp.DataParallel, net: nn.Sequential) -> None:
         out = wrapper(x)
         out.sum().backward()
     assert out.shape == (8, 2)
-    bn = net[1]
+    bn: Any = net[1]
     assert not getattr(bn, "_is_parallel", False)  # before: True, and the next line hung
     assert set(vars(bn)) == set(before)
     assert int(bn.num_batches_tracked) == 2  # running statistics still land on the module
