@@ -59,3 +59,14 @@ def test_every_command_works_or_says_what_to_install(tmp_path: Path) -> None:
             assert "fix: " in outcome.stderr, what
         else:
             assert outcome.stdout.strip(), what
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
+    """PEP 561: the marker that makes users' type checkers read our hints is in the wheel."""
+    import zipfile
+
+    wheel = _script()._wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        assert "dataparallel/py.typed" in z.namelist()

@@ -8,7 +8,8 @@ transformers' ``Trainer.save_model`` and its ``checkpoint-N`` folders, Lightning
 ``from_pretrained`` then initialises every weight afresh with a log line, not an error. This
 module reads such a checkpoint, finds the prefix that ends in ``module.``, and loads the rest
 into the plain model strictly: a key that is still missing is an error, never a silent
-re-initialisation.
+re-initialisation. A tied weight that ``save_pretrained`` wrote once (GPT-2's ``lm_head.weight``)
+is restored through the model's ties, as ``from_pretrained`` restores it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ def load_unwrapped(
         key: where the state dict sits in a checkpoint dict; by default the dict itself when
             its values are tensors, else its ``"state_dict"`` (Lightning) or ``"model"``
             (Fabric's usual name) entry.
-        strict: as ``load_state_dict``'s: every key of ``model`` must be found, and every key
-            under the prefix must be one of ``model``'s. Keys outside the prefix (a Lightning
+        strict: as ``load_state_dict``'s: every key of ``model`` must be found (a key tied in
+            ``model`` to one that is found, such as GPT-2's ``lm_head.weight``, is found
+            through the tie, as ``from_pretrained`` does), and every key under the prefix must
+            be one of ``model``'s. Keys outside the prefix (a Lightning
             module's other attributes) are not ``model``'s and are left alone.
 
     Returns:
@@ -86,8 +89,30 @@ def load_unwrapped(
     state = _state_dict(found, key)
     prefix = _prefix(state, model)
     plain = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    model.load_state_dict(plain, strict=strict)
+    model.load_state_dict(_tied(plain, model), strict=strict)
     return model
+
+
+def _tied(plain: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``plain`` with the keys it lacks that are tied in ``model`` to a key it holds (GPT-2's
+    ``lm_head.weight``, one tensor with ``transformer.wte.weight``) filled from that key.
+
+    ``save_pretrained`` (and so Trainer's checkpoints) writes a tied tensor once, and
+    ``from_pretrained`` restores the other names through the model's ties; this does the same
+    from the ties the model has (its names for one tensor), so any other missing key is still
+    ``load_state_dict``'s error under ``strict``."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    filled = dict(plain)
+    for group in names.values():
+        if len(group) < 2:
+            continue
+        present = [n for n in group if n in plain]
+        for name in group:
+            if name not in filled and present:
+                filled[name] = plain[present[0]]
+    return filled
 
 
 def _read(path: Path) -> Mapping[str, Any]:

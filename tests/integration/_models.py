@@ -56,3 +56,24 @@ def text_batch(batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def tiny_llama() -> nn.Module:
+    """A Llama-style causal LM (rotary positions, RMSNorm, grouped-query attention): its loss
+    shifts the labels, and Trainer counts ``num_items_in_batch`` from its ``loss_type``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)

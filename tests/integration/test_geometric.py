@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar
 
 import pytest
@@ -84,3 +85,35 @@ def test_each_graph_is_moved_by_its_own_to() -> None:
         a is not b for a, b in zip(chunks[0][0], items[:3], strict=True)
     )  # copies, not the caller's
     assert torch.equal(chunks[1][0][0].x, items[3].x)
+
+
+class BatchClassifier(GraphClassifier):
+    """Takes PyG's whole Batch, as a script written for one device does."""
+
+    def forward(self, batch: Batch) -> torch.Tensor:  # type: ignore[override]
+        self.devices_seen.append(batch.x.device)
+        h = self.conv1(batch.x, batch.edge_index).relu()
+        h = self.conv2(h, batch.edge_index)
+        return self.head(global_mean_pool(h, batch.batch))
+
+
+def test_a_whole_batch_runs_on_one_device_and_says_so_once() -> None:
+    """Item 13 of issue 39: one Batch object is not batched by the rules (it is one object):
+    the module runs once, on the first device, with a warning naming explain and the port
+    (a list of Data); once per wrapper. A batch of one sample is not warned."""
+    model = BatchClassifier()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu:1", "cpu:1"])
+    whole = Batch.from_data_list(graphs(7))
+    with pytest.warns(UserWarning, match=r"no input of this call has a batch dimension") as got:
+        out = wrapper(whole)
+    message = str(got[0].message)
+    assert "w.explain(...)" in message and "a list of Data" in message
+    assert "ran once, on cpu alone" in message
+    assert torch.allclose(out, model(whole)) and out.shape == (7, 3)
+    assert wrapper.last_call is not None and wrapper.last_call.chunk_sizes == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapper(whole)  # once per wrapper
+        dp.DataParallel(nn.Linear(4, 2), ["cpu", "cpu"])(torch.randn(1, 4))  # a batch of one
+    [entry] = wrapper.explain(whole).entries
+    assert entry.rule == "broadcast"

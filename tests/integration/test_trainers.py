@@ -311,7 +311,6 @@ def test_trainer_token_loss_with_num_items_in_batch(
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     ref_model = tiny_gpt2()
-    ref_model.config.use_cache = False
     model = copy.deepcopy(ref_model)
     ref = run(ref_model, tmp_path / "one")
     par = run(dp.DataParallel(model, devices, scalars="sum"), tmp_path / "par")
@@ -362,7 +361,6 @@ def test_trainer_causal_lm_is_exact_by_default(
     from ._models import tiny_gpt2
 
     ref_model = tiny_gpt2()
-    ref_model.config.use_cache = False
     model = copy.deepcopy(ref_model)
     ref = _lm_run(ref_model, tmp_path / "one", batch)
     par = _lm_run(dp.DataParallel(model, devices), tmp_path / "par", batch)
@@ -386,7 +384,6 @@ def test_cuda_trainer_causal_lm_with_num_items_in_batch_on_repeated_gpu(tmp_path
     from ._models import tiny_gpt2
 
     ref_model = tiny_gpt2()
-    ref_model.config.use_cache = False
     model = copy.deepcopy(ref_model)
     # torch computes float32 matmuls in full precision by default (no TF32)
     ref = _lm_run(ref_model, tmp_path / "one", 5, use_cpu=False)

@@ -110,13 +110,15 @@ def test_single_module_runs_inline() -> None:
     assert out["thread"] == threading.current_thread().name
 
 
-def test_only_a_tuple_is_unpacked() -> None:
+def test_a_tuple_or_a_list_is_unpacked_as_in_torch() -> None:
+    """torch's convention (issue 39): a tuple or a list is the replica's arguments; a list
+    inside the tuple stays one argument."""
     modules = [Recorder() for _ in range(3)]
     x = torch.randn(2, 4)
     inputs = [(x, [1, 2]), [x, x], x]
     outs = parallel_apply(modules, inputs, devices=CPU3)
-    assert [o["nargs"] for o in outs] == [2, 1, 1]
-    assert [o["arg_types"] for o in outs] == [["Tensor", "list"], ["list"], ["Tensor"]]
+    assert [o["nargs"] for o in outs] == [2, 2, 1]
+    assert [o["arg_types"] for o in outs] == [["Tensor", "list"], ["Tensor", "Tensor"], ["Tensor"]]
 
 
 def test_kwargs_reach_each_replica() -> None:

@@ -1,5 +1,5 @@
-"""A call that passes ``num_items_in_batch``: each replica gets its share of the count, so a
-partial-sum loss comes back summed and a loss that ignores the count keeps its mean.
+"""A call that passes ``num_items_in_batch``: each replica receives the whole count, the
+outputs computed from it come back summed, and a loss that ignores the count keeps its mean.
 
 ``TokenLM`` follows transformers' causal LMs: with ``num_items_in_batch`` its loss is the
 chunk's token sum over the whole batch's count, else the chunk's token mean. ``MeanLoss``
@@ -22,7 +22,7 @@ from torch import nn
 
 import dataparallel as dp
 from _close import assert_close_rel
-from dataparallel.wrapper._partial_sums import accepts_keyword, shared_counts
+from dataparallel.wrapper._partial_sums import count_position
 
 DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
 Pair = namedtuple("Pair", ["loss", "logits"])
@@ -129,27 +129,25 @@ def test_without_the_count_the_default_mean_holds() -> None:
     assert_close_rel(out["loss"], (one[0] + one[1]) / 2, msg="None is no count")
 
 
-@pytest.mark.parametrize("chosen", ["mean", "stack"])
-def test_an_explicit_scalars_passes_the_count_unchanged(chosen: str) -> None:
+@pytest.mark.parametrize("chosen", ["mean", "sum", "stack"])
+def test_an_explicit_scalars_leaves_the_count_exact(chosen: str) -> None:
+    """scalars= says how the other scalar outputs are gathered; the loss computed from the count
+    is the one-device loss whatever it says (issue 39: an explicit choice turned the count off)."""
     ids, labels, count = _batch(8)
     model = TokenLM()
-    parts = [
-        model(ids[:4], labels[:4], num_items_in_batch=count)["loss"],
-        model(ids[4:], labels[4:], num_items_in_batch=count)["loss"],
-    ]
+    ref = model(ids, labels, num_items_in_batch=count)
     out = dp.DataParallel(model, ["cpu", "cpu"], scalars=chosen)(
         ids, labels, num_items_in_batch=count
     )
-    want = (parts[0] + parts[1]) / 2 if chosen == "mean" else torch.stack(parts)
-    assert_close_rel(out["loss"], want, msg=chosen)
-    # assigned on a built wrapper: an explicit choice too
+    assert_close_rel(out["loss"], ref["loss"], msg=chosen)
     wrapper = dp.DataParallel(model, ["cpu", "cpu"])
-    wrapper.scalars = "mean"
-    again = wrapper(ids, labels, num_items_in_batch=count)
-    assert_close_rel(again["loss"], (parts[0] + parts[1]) / 2, msg="assigned")
+    wrapper.scalars = "mean"  # assigned on a built wrapper: the same
+    assert_close_rel(wrapper(ids, labels, num_items_in_batch=count)["loss"], ref["loss"])
 
 
-def test_output_rules_pass_the_count_unchanged() -> None:
+def test_an_output_rule_for_the_loss_decides_there() -> None:
+    """A rule for the loss's own path applies to the replicas' values (each computed with the
+    whole count, as one device would on that chunk); a rule for another path changes nothing."""
     ids, labels, count = _batch(8)
     model = TokenLM()
     parts = [
@@ -158,27 +156,30 @@ def test_output_rules_pass_the_count_unchanged() -> None:
     ]
     wrapper = dp.DataParallel(model, ["cpu", "cpu"], output_rules={"output['loss']": "list"})
     out = wrapper(ids, labels, num_items_in_batch=count)
-    assert isinstance(out["loss"], list)
+    assert isinstance(out["loss"], list) and type(out["loss"][1]) is torch.Tensor
     assert_close_rel(out["loss"][1], parts[1], msg="replica 1")
+    other = dp.DataParallel(model, ["cpu", "cpu"], output_rules={"output['aux']": "mean"})
+    got = other(ids, labels, num_items_in_batch=count)["loss"]
+    assert_close_rel(got, model(ids, labels, num_items_in_batch=count)["loss"], msg="other rule")
 
 
-def test_a_forward_that_does_not_take_the_keyword_gets_no_share() -> None:
-    assert accepts_keyword(TokenLM()) and not accepts_keyword(nn.Linear(1, 1))
+def test_a_forward_that_does_not_take_the_keyword_raises_its_own_error() -> None:
     model = nn.Linear(3, 1)
     with pytest.raises(TypeError, match="num_items_in_batch"):
         dp.DataParallel(model, ["cpu", "cpu"])(torch.randn(4, 3), num_items_in_batch=4)
-    assert accepts_keyword(NoCount())
+    assert count_position(TokenLM()) == 2 and count_position(nn.Linear(1, 1)) is None
+    assert count_position(NoCount()) is None  # keyword-only: never by position
 
 
-def test_explain_says_the_loss_is_summed() -> None:
+def test_explain_says_the_count_is_whole_and_its_outputs_summed() -> None:
     ids, labels, count = _batch()
     wrapper = dp.DataParallel(TokenLM(), ["cpu", "cpu"])
     plan = wrapper.explain(ids, labels, num_items_in_batch=count)
-    assert plan.notes and "sum of their partial sums" in plan.notes[0]
+    assert plan.notes and "receives the whole count" in plan.notes[0]
     assert "note: num_items_in_batch=" in str(plan)
+    assert "(args[2])" in wrapper.explain(ids, labels, 13).notes[0]  # by position
     assert not wrapper.explain(ids, labels).notes
-    explicit = dp.DataParallel(TokenLM(), ["cpu", "cpu"], scalars="mean")
-    assert not explicit.explain(ids, labels, num_items_in_batch=count).notes
+    assert not dp.DataParallel(TokenLM(), ["cpu"]).explain(ids, labels, 13).notes  # one chunk
 
 
 def test_the_default_still_reads_mean_and_survives_copies() -> None:
@@ -188,7 +189,6 @@ def test_the_default_still_reads_mean_and_survives_copies() -> None:
     ref = TokenLM()(ids, labels, num_items_in_batch=count)["loss"]
     lm = dp.DataParallel(TokenLM(), ["cpu", "cpu"])
     for again in (copy.deepcopy(lm), pickle.loads(pickle.dumps(lm))):
-        assert again.scalars is lm.scalars  # still the default, not an explicit "mean"
         assert_close_rel(again(ids, labels, num_items_in_batch=count)["loss"], ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -217,8 +217,8 @@ def test_a_loss_that_ignores_the_count_keeps_its_mean(devices: list[str]) -> Non
 
 
 def test_with_scalar_weights_and_waves() -> None:
-    """The share follows the mean's weights: scalar_weights (token counts), and waves under
-    max_size, whose total is read over every wave."""
+    """The parts are summed over every chunk of every wave under max_size; scalar_weights
+    weighs only the outputs that do not depend on the count."""
     ids, labels, count = _batch(9)
     ref = TokenLM()(ids, labels, num_items_in_batch=count)["loss"]
     tokens = lambda a, kw: (a[1] != -100).sum()  # noqa: E731
@@ -236,6 +236,8 @@ def test_with_scalar_weights_and_waves() -> None:
 
 
 def test_the_count_a_replica_receives() -> None:
+    """Each replica receives the whole count, of the type given; what the caller gets back
+    (gathered or not) is unmarked."""
     seen: list[Any] = []
 
     class Spy(TokenLM):
@@ -243,15 +245,78 @@ def test_the_count_a_replica_receives() -> None:
             self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
         ) -> Any:
             seen.append(num_items_in_batch)
-            return super().forward(ids, labels, num_items_in_batch)
+            out = super().forward(ids, labels, num_items_in_batch)
+            out["n"] = num_items_in_batch
+            return out
 
     ids, labels, _ = _batch(6)
     kwargs = {"num_items_in_batch": 12}
-    dp.DataParallel(Spy(), ["cpu", "cpu", "cpu"])(ids, labels, **kwargs)
-    assert sorted(seen) == [4.0, 4.0, 4.0] and kwargs == {"num_items_in_batch": 12}
+    out = dp.DataParallel(Spy(), ["cpu", "cpu", "cpu"])(ids, labels, **kwargs)
+    assert seen == [12, 12, 12] and all(isinstance(n, int) for n in seen)
+    assert kwargs == {"num_items_in_batch": 12} and type(kwargs["num_items_in_batch"]) is int
+    assert out["n"] == 12 and type(out["n"]) is int and type(out["loss"]) is torch.Tensor
     seen.clear()
-    dp.DataParallel(Spy(), ["cpu", "cpu"], gather=False)(ids, labels, **kwargs)
-    assert seen == [12, 12]  # per-device outputs: the caller reduces them, with the count as given
-    assert shared_counts([{"num_items_in_batch": torch.tensor(10)}], [1], 4)[0][
-        "num_items_in_batch"
-    ].item() == pytest.approx(2.5)
+    parts = dp.DataParallel(Spy(), ["cpu", "cpu"], gather=False)(
+        ids, labels, num_items_in_batch=torch.tensor(12)
+    )
+    assert [int(n) for n in seen] == [12, 12]
+    for part in parts:  # per-device outputs: plain values, each computed with the whole count
+        assert type(part["loss"]) is torch.Tensor and type(part["n"]) is torch.Tensor
+
+
+class Escapes(TokenLM):
+    """Turns the count into a plain number before dividing: nothing can follow it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__("dict")
+        self.how = how
+
+    def forward(
+        self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+    ) -> Any:
+        n = num_items_in_batch
+        plain = n.item() if self.how == "item" else float(n)
+        logits = self.head(self.emb(ids))
+        flat = nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return {"loss": flat / plain, "logits": logits}
+
+
+@pytest.mark.parametrize("how", ["item", "float"])
+def test_a_count_turned_into_a_plain_number_is_refused_naming_the_rule(how: str) -> None:
+    ids, labels, count = _batch()
+    given = count if how == "item" else int(count)
+    model = Escapes(how)
+    with pytest.raises(ValueError, match="num_items_in_batch into a plain number") as err:
+        dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=given)
+    assert """output_rules={"output['loss']": 'sum'}""" in str(err.value)
+    rules = {"output['loss']": "sum"}
+    out = dp.DataParallel(model, ["cpu", "cpu"], output_rules=rules)(
+        ids, labels, num_items_in_batch=given
+    )
+    assert_close_rel(out["loss"], model(ids, labels, num_items_in_batch=given)["loss"])
+
+
+def test_equal_parts_are_still_parts() -> None:
+    """Two chunks of equal data give equal parts of the loss, in evaluation without a
+    gradient: each is still a part (computed from the count and the chunk), summed; a value
+    computed from the count alone (a tensor of its size) comes back once."""
+
+    class Both(TokenLM):
+        def forward(
+            self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+        ) -> Any:
+            out = super().forward(ids, labels, num_items_in_batch)
+            out["ones"] = ids.new_ones(num_items_in_batch)
+            return out
+
+    ids, labels, count = _batch(1)
+    ids, labels = ids.repeat(4, 1), labels.repeat(4, 1)  # four equal rows, two equal chunks
+    model = Both()
+    with torch.no_grad():
+        ref = model(ids, labels, num_items_in_batch=4 * count)
+        for n in (4 * int(count), 4 * count):
+            out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=n)
+            assert_close_rel(out["loss"], ref["loss"], msg="equal parts")
+            assert torch.equal(out["ones"], ref["ones"]) and type(out["ones"]) is torch.Tensor

@@ -93,7 +93,9 @@ def check_batch_size_used(batch: int, entries: list[tuple[str, str, str, Any]]) 
     raise ValueError(
         f"batch_size: {batch}, but no input has {batch} samples ({found}), so every device "
         f"would get a copy of the whole batch; expected the size of a batched input: pass that "
-        f"size, or drop batch_size= to let the inputs vote"
+        f"size, or drop batch_size= to let the inputs vote (on a DataParallel, "
+        f"w.batch_size = N sets this option: a value of your own belongs on the module, "
+        f"w.module.batch_size)"
     )
 
 

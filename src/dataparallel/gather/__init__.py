@@ -2,7 +2,8 @@
 
 ``_gather`` walks the outputs under the gather rules; beside it, one job each: scalars and
 counts (``_scalars``), values the replicas received rather than computed (``_origins``), paths,
-moves and equality of outputs (``_outputs``), ``output_rules=`` (``_output_rules``) and exact
+moves and equality of outputs (``_outputs``), outputs computed from
+``num_items_in_batch`` (``_counted``), ``output_rules=`` (``_output_rules``) and exact
 token means (``_losses``: ``scalar_weights=`` and ``DataParallelCriterion``'s parts).
 
 Other folders import this stage through this module, never its private modules: ``__all__``
@@ -11,6 +12,7 @@ is its interface (``dataparallel`` re-exports the public names).
 
 from __future__ import annotations
 
+from dataparallel.gather._counted import COUNT_KEYWORD, CountRecord, is_counted, unmark
 from dataparallel.gather._gather import (
     ScalarMode,
     check_scalars,
@@ -29,6 +31,8 @@ from dataparallel.gather._origins import Origins
 from dataparallel.gather._output_rules import check_output_rules
 
 __all__ = [
+    "COUNT_KEYWORD",
+    "CountRecord",
     "Origins",
     "ScalarMode",
     "ScalarWeights",
@@ -40,5 +44,7 @@ __all__ = [
     "first_batch_size",
     "gather",
     "gather_outputs",
+    "is_counted",
     "is_exact_mean",
+    "unmark",
 ]

@@ -54,6 +54,7 @@ class _Context:
     """What every step of one gather needs; built once per call."""
 
     __slots__ = (
+        "count",
         "counts",
         "dim",
         "module",
@@ -94,6 +95,8 @@ class _Context:
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
         self.origins: Any = None  # a _origins.Origins: which scalars each replica received
+        # a _counted.CountRecord when the call passed num_items_in_batch to its replicas
+        self.count: Any = None
         # Paths where an RNN layer puts its output ("sequence") and state ("state"): the items
         # of a pair (tensor, state), state a tensor or a pair (h_n, c_n). Made on first need.
         self.roles: dict[Any, str] | None = None
@@ -204,6 +207,7 @@ def gather_outputs(
     module: nn.Module | None = None,
     origins: Any = None,
     warned: set[tuple[str, ...]] | None = None,
+    count: Any = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -216,6 +220,8 @@ def gather_outputs(
     ``dataparallel.gather._origins.Origins``) tells a buffer or input each replica received from a
     value it computed, for scalars that are not one object on every replica. ``warned`` is the
     wrapper's set of warnings already given, so that the walk's warnings show once per wrapper.
+    ``count`` (a ``dataparallel.gather._counted.CountRecord``) is the call's when each replica
+    received a marked ``num_items_in_batch``: outputs computed from it are summed (``_counted``).
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -238,6 +244,7 @@ def gather_outputs(
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
         ctx.origins, ctx.warned = origins, warned
+        ctx.count = count
         out = walk(outputs, None, ctx)
         if ctx.squeezed:
             _warn_squeezed(ctx)

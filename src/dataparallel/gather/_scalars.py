@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataparallel.gather._counted import check_unmarked
 from dataparallel.gather._output_rules import warn_even_count
 from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
 
@@ -34,6 +35,8 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if all(bool(v) == bool(moved[0]) for v in moved):
             return moved[0]
         raise _booleans_differ(values, path)
+    if ctx.count is not None:
+        check_unmarked(values, path, ctx)
     if ctx.scalars == "stack":
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
     sizes = ctx.sizes

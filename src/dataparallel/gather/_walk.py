@@ -44,6 +44,7 @@ from dataparallel._common.kinds import (
 from dataparallel._common.packed import gather_packed, is_packed
 from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuild_sequence
 from dataparallel._common.warn import warn_user
+from dataparallel.gather._counted import gather_counted, is_counted, unmark
 from dataparallel.gather._output_rules import (
     apply_rule,
     hidden_state,
@@ -79,11 +80,17 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         where = fmt(path)
         ctx.seen.append(where)
         if where in ctx.rules:
+            if ctx.count is not None:  # the user's rule decides: the marks go
+                values = [unmark(v) for v in values]
             return apply_rule(values, where, ctx.rules[where], ctx, _concat)
         alias = fmt_attributes(path)  # a model output's field as an attribute: output.logits
         if alias is not None and alias in ctx.rules:
             ctx.seen.append(alias)
+            if ctx.count is not None:  # the user's rule decides: the marks go
+                values = [unmark(v) for v in values]
             return apply_rule(values, where, ctx.rules[alias], ctx, _concat)
+    if ctx.count is not None and any(map(is_counted, values)):  # computed from the count
+        return gather_counted(values, path, ctx, lambda plain: _gather_arrays(plain, path, ctx))
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:

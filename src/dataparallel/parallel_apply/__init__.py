@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataparallel.parallel_apply._apply import (
     apply_replicas,
+    as_arguments,
     in_order,
     infer_device,
     parallel_apply,
@@ -27,6 +28,7 @@ from dataparallel.parallel_apply._task import describe_inputs
 
 __all__ = [
     "apply_replicas",
+    "as_arguments",
     "batchnorm_note",
     "describe_inputs",
     "in_order",

@@ -53,7 +53,7 @@ from dataparallel.parallel_apply._task import (
 )
 from dataparallel.replicate import serial_mark
 
-__all__ = ["apply_replicas", "in_order", "parallel_apply", "wait_for"]
+__all__ = ["apply_replicas", "as_arguments", "in_order", "parallel_apply", "wait_for"]
 
 
 def parallel_apply(
@@ -71,8 +71,11 @@ def parallel_apply(
 
     Args:
         modules: one module (replica) per device.
-        inputs: one entry per module: a ``tuple`` is unpacked as positional arguments; anything
-            else (a tensor, a per-sample list chunk) is passed as the single argument.
+        inputs: one entry per module: a ``tuple`` or a ``list`` is unpacked as positional
+            arguments (torch's convention: ``[[batch0], [batch1]]`` passes ``batch0`` to the
+            first module); anything else (a tensor, a dict) is passed as the single argument.
+            A per-sample list chunk of ``dp.scatter`` meant as one argument goes in a tuple:
+            ``dp.scatter((items,), devices)`` gives one.
         kwargs_tup: one keyword-argument mapping per module, or ``None``.
         devices: one device spec per module; ``None`` infers each from its first input tensor
             (else the module's first tensor, else the CPU).
@@ -107,6 +110,7 @@ def parallel_apply(
             f"inputs: expected one entry per module ({n}), got {len(inputs)}; pass the "
             f"result of scatter for the same devices"
         )
+    inputs = as_arguments(inputs)
     if kwargs_tup is None:
         kwargs_tup = [{}] * n
     elif len(kwargs_tup) != n:
@@ -130,6 +134,19 @@ def parallel_apply(
     if timings is not None:
         timings.clear()  # replaced, not appended to
     return apply_replicas(modules, inputs, kwargs_tup, resolved, timings, syncbn, serial)
+
+
+def as_arguments(inputs: Sequence[Any]) -> Sequence[Any]:
+    """Each replica's entry with a ``list`` read as its positional arguments, as torch's
+    ``parallel_apply`` reads it (a ``scatter`` override in torch's style returns one list of
+    arguments per device); the entries themselves otherwise unchanged.
+
+    >>> as_arguments([[1], (2, 3), 4])
+    [(1,), (2, 3), 4]
+    """
+    if not any(isinstance(x, list) for x in inputs):
+        return inputs
+    return [tuple(x) if isinstance(x, list) else x for x in inputs]
 
 
 def apply_replicas(

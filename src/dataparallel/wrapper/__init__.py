@@ -3,9 +3,10 @@ parallel_apply, gather) through torch's overridable methods; ``data_parallel`` i
 functional form.
 
 Beside the class (``_data_parallel``), one job each: options checked on assignment
-(``_options``), the device check (``_placement``), ``num_items_in_batch`` shares
-(``_partial_sums``), mmcv's step methods (``_steps``), ``last_call`` and ungathered outputs
-(``_results``), and the module's signature presented to introspection (``_signature``).
+(``_options``), the device check (``_placement``), the count ``num_items_in_batch`` found and
+marked for each replica (``_partial_sums``), read-through to the module (``_read_through``),
+mmcv's step methods (``_steps``), ``last_call`` and ungathered outputs (``_results``), and the
+module's signature presented to introspection (``_signature``).
 
 Other folders import this stage through this module, never its private modules: ``__all__``
 is its interface (``dataparallel`` re-exports the public names).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
+    CountRecord,
     Origins,
     ScalarWeights,
     check_output_rules,
@@ -45,9 +46,9 @@ from dataparallel.wrapper._options import (
     plan_option,
 )
 from dataparallel.wrapper._partial_sums import (
-    COUNT_KEYWORD,
     DEFAULT_SCALARS,
-    shared_counts,
+    find_count,
+    mark_chunks,
     summing_note,
 )
 from dataparallel.wrapper._placement import (
@@ -55,6 +56,7 @@ from dataparallel.wrapper._placement import (
     sentinels_hold,
     sentinels_of,
 )
+from dataparallel.wrapper._read_through import names_of, owns, read_through
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
@@ -65,8 +67,7 @@ from dataparallel.wrapper._waves import (
     one_chunk,
     replicate_wave,
     scatter_wave,
-    shares_count_of,
-    weight_total_of,
+    warn_unbatched,
 )
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
@@ -107,11 +108,10 @@ class DataParallel(nn.DataParallel):
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
-            ``"stack"``. Left at its default, a call that passes ``num_items_in_batch`` (as
-            transformers' Trainer does) gives each replica its share of that count, so a loss
-            that is a partial sum (a causal LM's) comes back as the sum of the replicas' parts
-            and a loss that ignores the count keeps its mean
-            (``dataparallel.wrapper._partial_sums``).
+            ``"stack"``. Whatever it says, a call that passes ``num_items_in_batch`` (as
+            transformers' Trainer does; by keyword or position) gives each replica the whole
+            count, and the outputs computed from it (a causal LM's loss, a partial sum) come
+            back summed, as one device's (``dataparallel.wrapper._partial_sums``).
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
         scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
             arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
@@ -199,13 +199,35 @@ class DataParallel(nn.DataParallel):
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
+    def __getattr__(self, name: str) -> Any:
+        """A name the wrapper does not define is the module's: ``w.config``, ``w.generate``
+        (read-through, ``dataparallel.wrapper._read_through``)."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules: the wrapper's
+        except AttributeError as missing:
+            return read_through(self, name, missing)
+
     def __setattr__(self, name: str, value: Any) -> None:
         """Options set on a built wrapper (``w.scalars = "sum"``, ``w.output_rules = {...}``,
-        ``w.device_ids``, ``w.module``...) are checked as the constructor checks them."""
-        check = CHECKED.get(name)
-        if check is not None and "_steps" in self.__dict__:
-            value = check(self, value)
+        ``w.device_ids``, ``w.module``...) are checked as the constructor checks them; a
+        public name the wrapper does not define is written on the module (read-through)."""
+        if "_steps" in self.__dict__:  # built
+            check = CHECKED.get(name)
+            if check is not None:
+                value = check(self, value)
+            elif not owns(self, name):
+                setattr(self._modules["module"], name, value)
+                return
         super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return names_of(self, list(super().__dir__()))
+
+    def __delattr__(self, name: str) -> None:
+        if "_steps" in self.__dict__ and not owns(self, name):
+            delattr(self._modules["module"], name)  # read-through: the module's name
+            return
+        super().__delattr__(name)
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
@@ -316,6 +338,8 @@ class DataParallel(nn.DataParallel):
         steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
         plan = self._plan(inputs, kwargs)
         slices = plan.slices
+        if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:
+            warn_unbatched(self, plan, len(self.device_ids), inputs, kwargs)  # nothing split
         if (
             len(slices) == 1
             and len(slices[0]) == 1
@@ -324,7 +348,6 @@ class DataParallel(nn.DataParallel):
             and not steps.scatter
             and self.scalar_weights is None
             and self.__dict__.get("compile_options") is None
-            and COUNT_KEYWORD not in kwargs
         ):
             return one_chunk(self, plan, steps)
         outputs: list[Any] = []
@@ -332,9 +355,10 @@ class DataParallel(nn.DataParallel):
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
-        # a partial-sum loss: each chunk gets its share of num_items_in_batch (_partial_sums)
-        share = COUNT_KEYWORD in kwargs and shares_count_of(self, kwargs, plan, steps)
-        total = weight_total_of(self, plan, inputs, kwargs, steps) if share else 0.0
+        # num_items_in_batch: each replica receives the whole count, marked (_partial_sums)
+        module = cast(nn.Module, self._modules["module"])
+        slot = None if method is not None else find_count(module, inputs, kwargs)
+        count = None if slot is None else CountRecord()
         # What each output's replica received, for gather to tell a buffer or input passed
         # through from a value computed per chunk (read only when a scalar needs it).
         chunk_args: list[Any] = []
@@ -346,10 +370,9 @@ class DataParallel(nn.DataParallel):
             )
             if self.scalar_weights is not None:
                 weights.extend(chunk_weights(self.scalar_weights, args, kws))
-            if share:
-                counted = weights[-len(kws) :] if self.scalar_weights is not None else wave_sizes
-                kws = shared_counts(kws, counted, total or float(sum(counted)))
-            replicas = replicate_wave(self, wave_devices, bool(later))
+            if count is not None:
+                args, kws = mark_chunks(count, cast("str | int", slot), args, kws)
+            replicas = replicate_wave(self, wave_devices, bool(later), steps)
             outputs += apply_wave(
                 self, replicas, args, kws, wave_devices, steps, timers, later, method
             )
@@ -369,14 +392,14 @@ class DataParallel(nn.DataParallel):
             if len(outputs) > 1
             else None
         )
-        return gather_all(self, outputs, devices, sizes, weights, steps, method, origins)
+        return gather_all(self, outputs, devices, sizes, weights, steps, method, origins, count)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
     def _find_overrides(self) -> Overrides:
         """Which of torch's four steps this wrapper's class overrides: decided once, at
         construction (or at the first call of a wrapper unpickled from an older version)."""
-        steps = self.__dict__["_steps"] = _overrides(type(self))
+        steps = self.__dict__["_steps"] = Overrides.of(type(self), DataParallel)
         return steps
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
@@ -412,6 +435,8 @@ class DataParallel(nn.DataParallel):
         sets: ReplicaSets | None = self.__dict__.get("_replica_sets")
         if sets is None:  # made lazily: a copied or unpickled wrapper has none
             sets = self.__dict__["_replica_sets"] = ReplicaSets()
+        if self.__dict__.get("_copies_only"):  # an override may write them: copies, as torch's
+            return sets.replicate(module, [self.src_device_obj, *device_ids])[1:]
         return sets.replicate(module, list(device_ids))
 
     def parallel_apply(
@@ -428,12 +453,17 @@ class DataParallel(nn.DataParallel):
         return gather(outputs, output_device, self.dim, scalars=self.scalars, module=self.module)
 
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
-        """The plan this wrapper would follow for these arguments; runs nothing. Its notes say
-        how the call's outputs will be gathered where that is not the default, and which
-        BatchNorm layers of the module are synchronised over the replicas."""
+        """The plan this wrapper would follow for a call ``w(*inputs, **kwargs)``; runs nothing.
+        Its notes say how the call's outputs will be gathered where that is not the default
+        (``num_items_in_batch``), and which BatchNorm layers of the module are synchronised
+        over the replicas. Only such a call (and the step methods) is split: a method of the
+        module called through the wrapper (``w.generate(...)``, read-through) runs the module
+        itself, on its own device, as ``w.module.generate(...)`` does."""
         plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
-        if COUNT_KEYWORD in kwargs and shares_count_of(self, kwargs, plan, self._find_overrides()):
-            plan.notes.append(summing_note(kwargs[COUNT_KEYWORD]))
+        slot = find_count(cast(nn.Module, self._modules["module"]), inputs, kwargs)
+        if slot is not None and sum(len(wave) for wave in plan.slices) > 1:
+            value = kwargs[slot] if isinstance(slot, str) else inputs[slot]
+            plan.notes.append(summing_note(value, slot))
         note = batchnorm_note(self.module, plan.waves)
         if note:
             plan.notes.append(note)
@@ -462,20 +492,3 @@ class DataParallel(nn.DataParallel):
 
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
-
-
-def _overrides(cls: type) -> Overrides:
-    """The steps ``cls`` (a ``DataParallel`` subclass, or the class itself) overrides.
-
-    >>> class Mine(DataParallel):
-    ...     def gather(self, outputs, output_device):
-    ...         return outputs
-    >>> _overrides(Mine)
-    Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
-    """
-    return Overrides(
-        *(
-            getattr(cls, name) is not getattr(DataParallel, name)
-            for name in ("scatter", "replicate", "parallel_apply", "gather")
-        )
-    )

@@ -49,6 +49,12 @@ def check_dim(dim: Any) -> int:
 
 def check_plan_options(devices: Sequence[torch.device], dim: int, options: dict[str, Any]) -> None:
     """The batch options against the devices, as ``dp.plan`` checks them, with no inputs."""
+    strict = options.get("strict", False)
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"strict: expected True or False, got {type(strict).__name__} {strict!r:.60}; "
+            f"strict=True makes an input of another batch size an error instead of a warning"
+        )
     probe = dict(options)
     if probe["batch_size"] is None:
         probe["batch_size"] = _probe_batch(probe["chunk_sizes"])

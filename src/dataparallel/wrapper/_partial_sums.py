@@ -1,18 +1,18 @@
-"""Losses that are partial sums: a call that passes ``num_items_in_batch``.
+"""A call that passes ``num_items_in_batch``: each replica receives the whole count.
 
 transformers' ``Trainer`` passes ``num_items_in_batch`` (the labelled-token count of the whole
 batch ``N``) to every model whose ``forward`` takes ``**kwargs``, in training, ``evaluate`` and
-``predict``. A causal LM then returns its token sum over ``N``: each replica's loss is a part of
-the one-device loss, and the chunk-weighted mean (the default for scalars) would divide it by
-the number of replicas, and every gradient with it. A sequence classifier takes the keyword and
-ignores it: its loss is a mean over the chunk, and summing it would be as wrong.
+``predict``; a causal LM then returns its token sum over ``N``, a sequence classifier ignores
+the count and returns its mean. Real forwards do more with a count than divide by it once:
+they guard it (``max(N, 1)``), take roots, use it as a size, return it, take it by position.
 
-Both are right at once when each replica receives its share of the count,
-``N * w_i / W`` (``w_i`` its chunk's weight in the mean: its size, or what ``scalar_weights``
-returns; ``W`` their total): the mean ``sum(w_i * S_i / (N * w_i / W)) / W`` is
-``sum(S_i) / N``, the sum of the partial sums, with the same gradients; a loss that ignores the
-count keeps its mean; other scalar outputs are untouched. So, unless the user chose
-``scalars``, ``output_rules`` or ``gather=False``, the wrapper passes each replica its share.
+So each replica receives the count as one device does, whole (an int stays an int, a tensor is
+a tensor on the replica's device), by keyword or by position, whatever ``scalars`` or
+``output_rules`` say. It receives it marked (``dataparallel.gather.CountRecord``): what
+forward computes from it is marked too, and gather sums those outputs, the parts of the
+one-device value, while the outputs that ignore the count follow the usual rules. One chunk
+(every one-device call) passes the count as it is. This module finds the count in a call and
+hands each chunk its marked copy.
 """
 
 from __future__ import annotations
@@ -20,138 +20,101 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dataparallel.gather import chunk_weights
+from dataparallel.gather import COUNT_KEYWORD, CountRecord
 
 __all__ = [
     "COUNT_KEYWORD",
     "DEFAULT_SCALARS",
-    "accepts_keyword",
-    "shared_counts",
-    "shares_count",
+    "count_position",
+    "find_count",
+    "mark_chunks",
     "summing_note",
-    "weight_total",
 ]
 
-COUNT_KEYWORD = "num_items_in_batch"
+# ``scalars``' default. (A wrapper pickled before issue 39 held a ``_DefaultScalars`` string
+# that pickles as this name: kept, so those load.)
+DEFAULT_SCALARS = "mean"
+
+# forward function -> the position of COUNT_KEYWORD among its positional parameters (or -1);
+# weak, so a forward function (and what its closure holds) is never kept alive by this table
+_POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-class _DefaultScalars(str):
-    """``"mean"``, as the default of ``scalars``: told apart by identity from a ``"mean"`` the
-    user passed or assigned, which is an explicit choice and is kept."""
+def count_position(module: nn.Module) -> int | None:
+    """Where ``module``'s ``forward`` takes ``num_items_in_batch`` by position, if it does.
 
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "'mean'"
-
-    def __reduce__(self) -> str:
-        # pickled and copied as the one default (by name), so a copied wrapper keeps it
-        return "DEFAULT_SCALARS"
-
-
-DEFAULT_SCALARS: str = _DefaultScalars("mean")
-
-# forward function -> whether it takes COUNT_KEYWORD (by name, or through **kwargs); weak, so
-# a forward function (and what its closure holds) is never kept alive by this table
-_ACCEPTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def accepts_keyword(module: nn.Module, name: str = COUNT_KEYWORD) -> bool:
-    """Whether ``module``'s ``forward`` takes the keyword ``name`` (by name or ``**kwargs``).
-
-    Read once per forward function: only calls that pass the keyword ask.
+    Read once per forward function: only calls with positional arguments ask.
 
     >>> class Net(nn.Module):
-    ...     def forward(self, x, **kwargs):
-    ...         return x
-    >>> accepts_keyword(Net()), accepts_keyword(nn.Linear(1, 1))
-    (True, False)
+    ...     def forward(self, ids, labels, num_items_in_batch=None):
+    ...         return ids
+    >>> count_position(Net()), count_position(nn.Linear(1, 1))
+    (2, None)
     """
     forward = module.forward
     key = getattr(forward, "__func__", forward)
-    found = _ACCEPTS.get(key)
+    found = _POSITIONS.get(key)
     if found is None:
+        found = -1
         try:
-            params = inspect.signature(forward).parameters.values()
-        except (TypeError, ValueError):  # no signature to read: trust the call
-            found = True
-        else:
-            found = any(
-                p.kind is p.VAR_KEYWORD
-                or (p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
-                for p in params
-            )
-        # a callable that takes no weak reference is read again next time
-        with contextlib.suppress(TypeError):
-            _ACCEPTS[key] = found
-    return found
+            params = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):  # no signature to read: the count is a keyword
+            params = []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for i, p in enumerate(positional):
+            if p.name == COUNT_KEYWORD:
+                found = i
+        with contextlib.suppress(TypeError):  # a callable that takes no weak reference
+            _POSITIONS[key] = found
+    return None if found < 0 else found
 
 
-def shares_count(
-    kwargs: Mapping[str, Any], module: Any, scalars: str, default_gather: bool, chunks: int
-) -> bool:
-    """Whether a call's chunks each get their share of ``num_items_in_batch``: it is passed
-    (not None) to a module that takes it, ``scalars`` is the default, the built-in gather will
-    take the mean (``default_gather``: no ``output_rules``, ``gather=False`` or override) and
-    the call has two chunks or more."""
-    return (
-        kwargs[COUNT_KEYWORD] is not None
-        and scalars is DEFAULT_SCALARS
-        and default_gather
-        and chunks > 1
-        and accepts_keyword(module)
-    )
+def find_count(
+    module: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> str | int | None:
+    """Where this call passes the count (its keyword, or its position), ``None`` where it
+    passes none (or ``None``)."""
+    if COUNT_KEYWORD in kwargs:
+        return None if kwargs[COUNT_KEYWORD] is None else COUNT_KEYWORD
+    if not inputs:
+        return None
+    index = count_position(module)
+    if index is None or index >= len(inputs) or inputs[index] is None:
+        return None
+    return index
 
 
-def weight_total(
-    batch_size: int,
-    waves: Sequence[Sequence[Any]],
-    scalar_weights: Callable[..., Any] | None,
-    scatter: Callable[[Any], tuple[Sequence[Any], Sequence[Any]]],
-) -> float:
-    """The total weight of a call's chunks in the scalars' mean: the batch size, or the sum
-    of ``scalar_weights`` over every chunk of every wave (each wave scattered once more here,
-    by ``scatter(wave) -> (chunk_args, chunk_kwargs)``: only a call that combines waves,
-    ``scalar_weights`` and the count pays it); 0 for one wave with ``scalar_weights``, whose
-    total the pipeline reads from that wave's weights as it goes."""
-    if scalar_weights is None:
-        return float(batch_size)
-    if len(waves) == 1:
-        return 0.0
-    return float(sum(sum(chunk_weights(scalar_weights, *scatter(wave))) for wave in waves))
+def mark_chunks(
+    record: CountRecord, slot: str | int, args: Sequence[Any], kwargs: Sequence[Any]
+) -> tuple[list[Any], list[Any]]:
+    """Each chunk's arguments with its copy of the count (already on its device, by scatter's
+    broadcast rule) marked. The containers are copies: a chunk's may be the caller's own."""
+    new_args: list[Any] = []
+    new_kwargs: list[Any] = []
+    for a, kw in zip(args, kwargs, strict=True):
+        if isinstance(slot, str):
+            if kw is not None and kw.get(slot) is not None:
+                kw = {**kw, slot: record.mark(kw[slot])}
+        elif isinstance(a, tuple) and slot < len(a) and a[slot] is not None:
+            a = (*a[:slot], record.mark(a[slot]), *a[slot + 1 :])
+        new_args.append(a)
+        new_kwargs.append(kw)
+    return new_args, new_kwargs
 
 
-def shared_counts(
-    kwargs: Sequence[Mapping[str, Any]], weights: Sequence[float], total: float
-) -> list[dict[str, Any]]:
-    """Each chunk's keyword arguments with ``num_items_in_batch`` replaced by its share,
-    ``count * weight / total`` (a float tensor for a tensor count, on its device; a float for a
-    number). The dicts are copies: a chunk's kwargs may be the caller's own dict.
-
-    >>> shared_counts([{"num_items_in_batch": 12}] * 2, [3, 1], 4)
-    [{'num_items_in_batch': 9.0}, {'num_items_in_batch': 3.0}]
-    """
-    shared = []
-    for kw, weight in zip(kwargs, weights, strict=True):
-        one = dict(kw)
-        one[COUNT_KEYWORD] = one[COUNT_KEYWORD] * (weight / total)
-        shared.append(one)
-    return shared
-
-
-def summing_note(value: Any) -> str:
+def summing_note(value: Any, slot: str | int) -> str:
     """What ``explain`` says about a call that passes ``num_items_in_batch``."""
     found = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    where = f"args[{slot}]" if isinstance(slot, int) else slot
     return (
-        f"{COUNT_KEYWORD}={found!r} is passed: each replica receives its share (count * its "
-        f"chunk's weight in the mean / the total: its chunk size / the batch size unless "
-        f"scalar_weights is set), so the weighted mean of the replicas' losses is the sum of "
-        f"their partial sums, the one-device loss (a loss that ignores the count keeps its "
-        f"mean); choose scalars= explicitly to pass the count unchanged"
+        f"{COUNT_KEYWORD}={found!r} ({where}): each replica receives the whole count, as one "
+        f"device does; outputs computed from it (a loss divided by it) are parts of the "
+        f"one-device value and are summed, others follow the gather rules (an output_rules "
+        f"entry for a path decides there)"
     )

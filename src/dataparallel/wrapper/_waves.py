@@ -15,12 +15,20 @@ from typing import Any, NamedTuple, Protocol, cast
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, ScalarMode, first_batch_size, gather_outputs
-from dataparallel.parallel_apply import apply_replicas, sync_call
+from dataparallel._common.tree import leaves, map_leaves
+from dataparallel._common.warn import warn_user
+from dataparallel.gather import (
+    CountRecord,
+    Origins,
+    ScalarMode,
+    first_batch_size,
+    gather_outputs,
+    unmark,
+)
+from dataparallel.parallel_apply import apply_replicas, as_arguments, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas, serial_mark
 from dataparallel.scatter import take
-from dataparallel.wrapper._partial_sums import shares_count, weight_total
 from dataparallel.wrapper._placement import copy_writes_back
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._steps import StepCall, step_rules
@@ -33,8 +41,7 @@ __all__ = [
     "one_chunk",
     "replicate_wave",
     "scatter_wave",
-    "shares_count_of",
-    "weight_total_of",
+    "warn_unbatched",
 ]
 
 
@@ -45,6 +52,19 @@ class Overrides(NamedTuple):
     replicate: bool
     parallel_apply: bool
     gather: bool
+
+    @classmethod
+    def of(cls, subclass: type, base: type) -> Overrides:
+        """The steps ``subclass`` overrides of ``base``'s (``DataParallel``'s).
+
+        >>> from dataparallel import DataParallel
+        >>> class Mine(DataParallel):
+        ...     def gather(self, outputs, output_device):
+        ...         return outputs
+        >>> Overrides.of(Mine, DataParallel)
+        Overrides(scatter=False, replicate=False, parallel_apply=False, gather=True)
+        """
+        return cls(*(getattr(subclass, n) is not getattr(base, n) for n in cls._fields))
 
 
 class Wrapper(Protocol):
@@ -76,7 +96,8 @@ class Wrapper(Protocol):
 def one_chunk(w: Wrapper, plan: Plan, steps: Overrides) -> Any:
     """A call planned as one chunk on the module's own device (every one-device call):
     ``_pipeline``'s steps for that case alone. The module is its own replica and runs on
-    the caller's thread; nothing is replicated, no count is shared, no weight is read."""
+    the caller's thread; nothing is replicated, the count (``num_items_in_batch``) is passed
+    as it is, no weight is read."""
     device, start, length = plan.slices[0][0]
     args, kws = take(plan, start, length, device)
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
@@ -112,13 +133,16 @@ def scatter_wave(
             "max_size: waves need the built-in scatter, but scatter is overridden; "
             "drop max_size or the override"
         )
-    args, kws = w.scatter(inputs, kwargs, devices)
+    scattered, kws = w.scatter(inputs, kwargs, devices)
+    args = as_arguments(scattered)  # a list per device is its arguments, as in torch
     # the override chose the chunks: read their sizes, pair devices as torch does
     sizes = [first_batch_size((a, k), w.dim) or 0 for a, k in zip(args, kws, strict=True)]
     return args, kws, devices[: len(args)], sizes
 
 
-def replicate_wave(w: Wrapper, devices: list[torch.device], later: bool) -> list[nn.Module]:
+def replicate_wave(
+    w: Wrapper, devices: list[torch.device], later: bool, steps: Overrides
+) -> list[nn.Module]:
     """Replica 0 is the module itself: one chunk on its own device needs no replicate.
 
     Under ``max_size`` the module runs once per call, as on one device: in the first wave.
@@ -128,10 +152,19 @@ def replicate_wave(w: Wrapper, devices: list[torch.device], later: bool) -> list
     wave's replica 0; the copies' writes are dropped.
     """
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    if len(devices) == 1 and devices[0] == w.src_device_obj and not later:
+        return [module]
+    if steps.replicate or "replicate" in w.__dict__:
+        # An override (or patch_replication_callback's instance patch) may write the replicas
+        # (Synchronized-BatchNorm's __data_parallel_replicate__ tags them as parallel): every
+        # replica is then a copy, as torch's replica 0 is, and the module comes out untouched.
+        w.__dict__["_copies_only"] = True
+        try:
+            return w.replicate(module, devices)
+        finally:
+            w.__dict__.pop("_copies_only", None)
     if later:
         return w.replicate(module, [w.src_device_obj, *devices])[1:]
-    if len(devices) == 1 and devices[0] == w.src_device_obj:
-        return [module]
     return w.replicate(module, devices)
 
 
@@ -183,7 +216,13 @@ def gather_all(
     steps: Overrides,
     method: str | None = None,
     origins: Origins | None = None,
+    count: CountRecord | None = None,
 ) -> Any:
+    """The call's outputs gathered (or handed over, ``gather=False``, or to an overridden
+    ``gather``). ``count``: the call's marks of ``num_items_in_batch``; the built-in gather
+    sums what was computed from it, and code of the user's receives plain values."""
+    if count is not None and (not w.gather_outputs or steps.gather or len(outputs) == 1):
+        outputs = [map_leaves(unmark, out) for out in outputs]
     if not w.gather_outputs:
         return DeviceOutputs(outputs, devices, sizes)
     if steps.gather:
@@ -202,22 +241,37 @@ def gather_all(
         w._modules["module"],  # (past nn.Module.__getattr__, on every call)
         origins,
         w.__dict__.get("_warned"),  # warnings shown once per wrapper
+        count,
     )
 
 
-def shares_count_of(w: Wrapper, kwargs: Mapping[str, Any], plan: Plan, steps: Overrides) -> bool:
-    """Whether this call's chunks each get their share of ``num_items_in_batch``."""
-    default_gather = w.gather_outputs and not steps.gather and not w.__dict__.get("output_rules")
-    chunks = sum(len(wave) for wave in plan.slices)
-    return shares_count(kwargs, w._modules["module"], w.scalars, default_gather, chunks)
+def warn_unbatched(w: Wrapper, plan: Plan, devices: int, inputs: Any, kwargs: Any) -> None:
+    """A call on several devices that runs on one because none of its inputs is batched (PyG's
+    whole ``Batch`` passed where a list of ``Data`` splits): said once per wrapper, naming
+    ``explain`` and the ways to split. A batch of one sample (a vote for 1) is not warned."""
+    if plan.votes or not plan.decided_by.startswith("default") or devices < 2:
+        return
+    warned = w.__dict__.setdefault("_warned", set())
+    if ("unbatched",) in warned or not _holds_data((inputs, kwargs)):
+        return  # (a call with no inputs, or only numbers and strings, has nothing to split)
+    warned.add(("unbatched",))
+    warn_user(
+        f"DataParallel over {devices} devices: no input of this call has a batch dimension "
+        f"along dim {w.dim} (w.explain(...) shows each input's rule), so the module ran once, "
+        f"on {plan.slices[0][0][0]} alone. To split the batch, pass it as a tensor batched "
+        f"along dim {w.dim} or as a list of per-sample items (PyG: a list of Data, with the "
+        f"Batch built inside forward), or mark it dp.Split(x); to run on one device on "
+        f"purpose, call w.module(...). Said once per wrapper"
+    )
 
 
-def weight_total_of(
-    w: Wrapper, plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any], steps: Overrides
-) -> float:
-    """The total weight of the call's chunks in the scalars' mean (``weight_total``)."""
-
-    def scatter(wave: Any) -> tuple[Sequence[Any], Sequence[Any]]:
-        return scatter_wave(w, plan, wave, inputs, kwargs, steps)[:2]
-
-    return weight_total(plan.batch_size, plan.slices, w.scalar_weights, scatter)
+def _holds_data(tree: Any) -> bool:
+    """Whether ``tree`` holds something that could have been a batch: a tensor or ndarray of
+    one dimension or more, or an object (a PyG ``Batch``), not only numbers, strings, None."""
+    for leaf in leaves(tree):
+        if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+            continue
+        if getattr(leaf, "ndim", 1) == 0:
+            continue
+        return True
+    return False
