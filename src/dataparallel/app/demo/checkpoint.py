@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import re
 import tempfile
 from collections.abc import Callable
 from glob import escape as glob_escape
@@ -73,12 +74,26 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
             os.close(dir_fd)
 
 
+def _temp_name_pattern(target: Path) -> re.Pattern[str]:
+    """The names ``save_checkpoint`` gives ``target``'s temp files, and no other target's.
+
+    ``mkstemp`` names them ``.{name}.{random}.tmp`` with a random part free of dots, so the part
+    between the target's own prefix and ``.tmp`` is one dot-free word. A glob such as
+    ``.run.pt.*.tmp`` would also match ``.run.pt.1.{random}.tmp``, the temp file of another
+    checkpoint (``run.pt.1``) that another run may be writing at this very moment.
+    """
+    return re.compile(rf"\.{re.escape(target.name)}\.[A-Za-z0-9_]+\.tmp")
+
+
 def _remove_stale_temps(target: Path) -> None:
     # Temp files of earlier writes of this same checkpoint that never reached os.replace (the
-    # process was killed mid-write). Only this target's prefix is touched.
+    # process was killed mid-write). Only this target's own temp names are touched: another
+    # checkpoint's temp file in the same folder (run.pt.1 beside run.pt) is never removed.
+    pattern = _temp_name_pattern(target)
     for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
+        if pattern.fullmatch(stale.name):
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
