@@ -256,14 +256,21 @@ def ddp_session(
     when the shards are equal; with uneven shards (e.g. from :func:`shard`) scale it:
     ``loss_sum_on_rank * world_size / global_batch_size``.
 
-    Ranks that run different numbers of steps (uneven data) hang in DDP's all-reduce. Use
-    torch's ``Join``::
+    Ranks that run different numbers of steps (uneven data) hang in DDP's all-reduce. Give
+    every rank every step: a rank whose shard has run out steps on a batch of zero samples
+    (its gradients are zeros), so all ranks all-reduce the same gradients and call
+    ``optimizer.step()`` as one process does, and momentum, Adam's moments and schedulers stay
+    equal on every rank. (torch's ``Join`` lets the finished rank skip its optimizer steps, so
+    its optimizer state drifts.) ::
 
-        from torch.distributed.algorithms.join import Join
-
-        with ddp_session(model) as (ddp, info), Join([ddp]):
-            for x, y in loader:  # may have fewer batches on some ranks
-                ...
+        counts = [len(ShardedSampler(data, rank=r)) for r in range(info.world_size)]
+        steps = -(-max(counts) // batch)  # the most batches any rank has
+        totals = [sum(min(batch, max(0, c - k * batch)) for c in counts) for k in range(steps)]
+        empty = [t[:0] for t in next(iter(DataLoader(data, batch_size=1)))]
+        batches = iter(loader)
+        for k in range(steps):
+            x, y = next(batches, empty)  # no batch left: zero samples
+            loss = F.cross_entropy(ddp(x), y, reduction="sum") * info.world_size / totals[k]
 
     Args:
         module: the model; it is moved to this rank's device.

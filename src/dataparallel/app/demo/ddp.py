@@ -2,8 +2,9 @@
 
 Started by :func:`dataparallel.app.launch.launch` or torchrun, each process trains its share:
 ``ddp_session`` wraps the model in ``DistributedDataParallel``, ``ShardedSampler`` partitions
-the training and test sets exactly, ``Join`` covers ranks with fewer steps (only when some
-rank has fewer: otherwise it would cost an all-reduce per step), one all-reduce per epoch
+the training and test sets exactly, every rank runs every step of the epoch (a rank whose shard
+has run out steps on zero samples, so all ranks all-reduce the same gradients and their
+optimizers stay equal to one process's), one all-reduce per epoch
 sums the loss and every rank's per-class test counts (exact), and rank 0 reports. It lives
 apart from the dp loop in :mod:`dataparallel.app.demo.train` because its batching (a global batch
 cut over ranks) and its evaluation (gathered over ranks) differ from dp's.
@@ -57,15 +58,6 @@ def _step_totals(counts: list[int], sizes: list[int]) -> list[int]:
     ]
 
 
-def _needs_join(counts: list[int], sizes: list[int]) -> bool:
-    """Whether ranks run different numbers of steps per epoch, so ``Join`` must shadow the
-    finished ranks' all-reduces. ``Join`` costs an extra all-reduce on every step of every rank
-    (measured: 0.59x a raw DDP loop's samples/s with it, on 2 gloo processes), so a run whose
-    ranks step alike goes without it."""
-    steps = {-(-c // s) for c, s in zip(counts, sizes, strict=True)}
-    return len(steps) > 1
-
-
 def _loss_scales(counts: list[int], sizes: list[int], world: int) -> list[float | None]:
     """Per step, what this run multiplies each rank's summed loss by, or None for the mean.
 
@@ -89,7 +81,6 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             number of processes.
     """
     import torch.nn.functional as F
-    from torch.distributed.algorithms.join import Join
     from torch.utils.data import DataLoader
 
     from dataparallel.distributed import ShardedSampler, ddp_session, gather_all
@@ -113,7 +104,11 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         totals = _step_totals(counts, sizes)
         # How each step's loss is reduced (see backward below), decided once per run.
         scales = _loss_scales(counts, sizes, world)
-        uneven = _needs_join(counts, sizes)
+        # A rank whose shard has run out still takes the epoch's last steps, on zero samples:
+        # its gradients are zeros, DDP all-reduces them with the others', and every rank calls
+        # optimizer.step() on the same gradients, as one process does. Join instead let the
+        # finished rank skip its steps, and its momentum (never copied back) drifted.
+        empty = (data.train_x[:0], data.train_y[:0])
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
         history: list[EpochStats] = []
         start_epoch = 0
@@ -133,21 +128,18 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             # No bar object at all when none is shown (building one costs a tenth of a step).
             show = main and progress_shown(opts.progress)
             bar = progress_bar(n, f"epoch {epoch + 1}/{epochs}", True) if show else None
-            # Join lets a rank with fewer batches shadow the others' gradient all-reduces; with
-            # every rank stepping alike it would only add an all-reduce per step.
             with contextlib.ExitStack() as stack:
                 if bar is not None:
                     stack.enter_context(contextlib.closing(bar))
-                if uneven:
-                    stack.enter_context(Join([ddp]))
                 # The step does what a hand-written DDP loop does, plus a clock read: the
                 # per-step figures of the report are kept as plain numbers.
-                for k, (x, y) in enumerate(loader):
+                batches = iter(loader)
+                for k, scale in enumerate(scales):
                     step_start = time.perf_counter()
+                    x, y = next(batches, empty)  # no batch left here: a step on zero samples
                     x, y = x.to(device), y.to(device)
                     optimizer.zero_grad()
                     output = ddp(x)
-                    scale = scales[k]
                     if scale is None:  # every rank has this step's share: the plain mean
                         loss = F.cross_entropy(output, y)
                         loss.backward()
@@ -162,7 +154,7 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
                     last_samples, last_seconds = samples, time.perf_counter() - step_start
                     if bar is not None:
                         bar.update(totals[k])
-                        bar.set_postfix(loss=f"{value / samples:.4f}")
+                        bar.set_postfix(loss=f"{value / max(samples, 1):.4f}")
             seconds = time.perf_counter() - t0
             clock.add(n, seconds)
             # The epoch's figures in one all-reduce: the loss sums and the test counts.
