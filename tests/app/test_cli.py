@@ -291,6 +291,41 @@ def test_two_process_ddp_resumed_after_uneven_steps_is_the_same_run(
         assert x["test_accuracy"] == y["test_accuracy"]
 
 
+def test_a_resume_on_another_number_of_processes_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The order of the global batches depends on the number of processes: a dp checkpoint
+    # resumed by ddp on 2 processes was silently another run (0.0103 off, on digits).
+    ckpt = tmp_path / "one.pt"
+    base = ["train", "--data", "random", "--batch-size", "16", "--checkpoint", str(ckpt)]
+    assert _run([*base, "--epochs", "1"], capfd)[0] == 0
+    state = load_checkpoint(ckpt)
+    assert state["config"]["layout"] == {"strategy": "dp", "world_size": 1}
+    before = ckpt.read_bytes()
+    ddp = ["--strategy", "ddp", "--devices", "cpu", "--epochs", "2", "--resume"]
+    code, _, err = _run([*base, *ddp, "--nproc-per-node", "2"], capfd)
+    assert code == 2 and ckpt.read_bytes() == before
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1, err  # one line for both ranks
+    assert (
+        f"--resume: the checkpoint {str(ckpt)!r} was written by --strategy dp on 1 process, "
+        f"this run is --strategy ddp on 2 processes: expected the checkpoint's 1 process(es)"
+    ) in err
+    assert "resume with --strategy dp (one process)" in err
+    # dp and ddp on one process cut the data alike: the same run, resumed
+    code, _, err = _run([*base, *ddp], capfd)
+    assert code == 0, err
+    assert load_checkpoint(ckpt)["config"]["layout"] == {"strategy": "ddp", "world_size": 1}
+    # and a checkpoint of 2 processes is refused by dp, naming the way back
+    state = load_checkpoint(ckpt)
+    state["config"]["layout"] = {"strategy": "ddp", "world_size": 2}
+    save_checkpoint(ckpt, state)
+    code, _, err = _run([*base, "--epochs", "3", "--resume"], capfd)
+    assert code == 2
+    assert "written by --strategy ddp on 2 processes, this run is --strategy dp on 1 process" in err
+    assert "resume with --strategy ddp with 2 processes" in err
+
+
 def test_every_rank_runs_the_epochs_steps() -> None:
     from dataparallel.app.demo.ddp import _rank_batches, _step_totals
 

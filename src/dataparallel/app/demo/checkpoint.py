@@ -143,8 +143,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -> dict[str, Any]:
-    """What must match for a resumed run to continue the same run."""
+def run_config(
+    data: DemoData, batch_size: int, opts: TrainOptions, lr: float, world_size: int = 1
+) -> dict[str, Any]:
+    """What must match for a resumed run to continue the same run.
+
+    ``world_size`` is the number of processes that cut the data (1 under dp, whatever its
+    devices: one process takes each global batch whole). Under ddp each global batch is every
+    rank's k-th batch, so the batch order depends on it: the layout is recorded and checked.
+    """
     return {
         "data": data.spec,
         "batch_size": batch_size,
@@ -152,6 +159,7 @@ def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -
         "lr": lr,
         "momentum": opts.momentum,
         "batchnorm": opts.batchnorm,
+        "layout": {"strategy": opts.strategy, "world_size": int(world_size)},
     }
 
 
@@ -159,20 +167,50 @@ def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -
 _BEFORE = {"batchnorm": "none"}
 
 
+def _layout_words(layout: dict[str, Any]) -> str:
+    n = layout["world_size"]
+    return f"--strategy {layout['strategy']} on {n} process{'' if n == 1 else 'es'}"
+
+
+def _check_layout(saved: Any, layout: dict[str, Any], path: str) -> None:
+    """Refuse a resume whose number of processes differs from the checkpoint's.
+
+    The order of the global batches depends on it (not on dp's devices, nor on dp against ddp
+    on one process: those are the same run). A checkpoint written before the layout was
+    recorded says nothing, and is resumed as before.
+    """
+    if not isinstance(saved, dict) or saved.get("world_size") == layout["world_size"]:
+        return
+    n = saved.get("world_size")
+    ways = "--strategy dp (one process)" if n == 1 else f"--strategy ddp with {n} processes"
+    raise UsageError(
+        f"--resume: the checkpoint {path!r} was written by {_layout_words(saved)}, this run is "
+        f"{_layout_words(layout)}: expected the checkpoint's {n} process(es), because the order "
+        f"of the global batches depends on the number of processes and another number would "
+        f"silently be a different run; resume with {ways} (--nproc-per-node times the nodes), "
+        f"or start a new run without --resume"
+    )
+
+
 def check_resume(state: dict[str, Any], config: dict[str, Any], path: str) -> None:
     """Check that a checkpoint was written with this run's :func:`run_config`.
 
     Raises:
-        UsageError: an option differs from the one the checkpoint was written with.
+        UsageError: an option differs from the one the checkpoint was written with, or the
+            number of processes (the layout) differs.
     """
     saved = state.get("config", {})
     for key, value in config.items():
+        if key == "layout":
+            continue
         if saved.get(key, _BEFORE.get(key)) != value:
             flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"--resume: the checkpoint {path!r} was written with {flag} "
                 f"{saved.get(key)!r}, got {value!r}; resume with the same {flag}"
             )
+    if "layout" in config:
+        _check_layout(saved.get("layout"), config["layout"], path)
 
 
 def resume(

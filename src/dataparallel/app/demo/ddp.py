@@ -91,10 +91,10 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
     net = build_model(
         data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
     )
-    config = run_config(data, batch_size, opts, lr)
     backend = "gloo" if opts.devices == "cpu" else None  # --devices cpu: the CPU, even with GPUs
     with ddp_session(net, backend=backend) as (ddp, info):
         main, world, device = info.rank == 0, info.world_size, info.device
+        config = run_config(data, batch_size, opts, lr, world)
         counts, sizes = _rank_batches(len(data.train_y), world, batch_size)
         if min(sizes) < 1:
             raise UsageError(
