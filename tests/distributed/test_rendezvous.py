@@ -6,6 +6,7 @@ timeout of 2 s, so each ends in seconds where torch alone waits 30 minutes.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -14,11 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
+import torch._dynamo  # DDP imports it, and the import sets TORCHINDUCTOR_CACHE_DIR
+import torch.distributed as dist
 
 from dataparallel.app.launch import free_port
-from dataparallel.distributed import ENV_VARS, init_distributed
+from dataparallel.distributed import ENV_VARS, ddp_session, init_distributed
 
-from ._helpers import child_env
+from ._helpers import child_env, run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -140,3 +144,24 @@ def test_the_timeout_passes_through_and_ranks_that_meet_join() -> None:
     port = free_port()
     runs = [_start(rank, port, timeout=30) for rank in (1, 0)]  # the client first: it waits
     assert [run.communicate(timeout=90)[0].strip() for run in runs] == ["joined", "joined"]
+
+
+SESSIONS = 20
+
+
+def _sessions_worker() -> None:
+    os.sched_setaffinity(0, {0})  # both ranks on one core: the race is most likely there
+    for _ in range(SESSIONS):
+        with ddp_session(torch.nn.Linear(3, 2), backend="gloo", timeout=20) as (ddp, info):
+            value = torch.tensor([float(info.rank + 1)])
+            dist.all_reduce(value)
+            if value.item() != 3.0:
+                raise RuntimeError(f"all_reduce: expected 3.0, got {value.item()}")
+            ddp(torch.randn(2, 3)).sum().backward()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins to one core (Linux)")
+def test_repeated_sessions_in_one_process_never_hang() -> None:
+    # A fresh store per session let a rank that finished its first session early meet rank 0
+    # on the first session's store: 20 sessions hung (here: timed out) at once, both times.
+    run_workers(_sessions_worker, 2)

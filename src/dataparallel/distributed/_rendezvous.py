@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import threading
+from typing import Any
 
 import torch.distributed as dist
 
@@ -169,11 +170,50 @@ def _probe_store(addr: str, port: int, rank: int, world_size: int, seconds: floa
         raise exc
 
 
+# The job's store, one per endpoint, kept for the life of the process, and how many sessions
+# each has started: every session's group lives under its own key prefix in it.
+_STORES: dict[tuple[str, int, int, int], list[Any]] = {}
+
+
+def _job_store(
+    addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> tuple[dist.Store, int]:
+    """The job's store at ``addr:port`` and this session's number in it.
+
+    Made once per process, as ``env://`` makes it (rank 0 hosts it, unless torchrun's agent
+    does), and kept: a second session then meets the others in the same store under a fresh
+    prefix. Made anew per session, a rank that tore down its first session early connected to
+    rank 0's first store, not yet closed, and waited there on the first session's keys (the
+    repeated-session hang). Every rank runs the same sessions in the same order, so the
+    numbers agree.
+    """
+    key = (addr, port, rank, world_size)
+    entry = _STORES.get(key)
+    if entry is None:
+        if rank != 0 or _agent_hosts_store():
+            _probe_store(addr, port, rank, world_size, timeout.total_seconds())
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master=rank == 0 and not _agent_hosts_store(),
+            timeout=timeout,
+            multi_tenant=True,  # as env:// makes it: torch's own env:// later reuses it
+        )
+        entry = _STORES[key] = [store, 0]
+    else:
+        entry[0].set_timeout(timeout)
+    session = entry[1]
+    entry[1] += 1
+    return entry[0], session
+
+
 def init_process_group(
     backend: str, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> None:
-    """``torch.distributed.init_process_group`` over ``env://``, with the endpoint checked, a
-    bounded wait, and torch's rendezvous errors (port in use, timed out) in our words.
+    """``torch.distributed.init_process_group`` over ``env://``'s store, with the endpoint
+    checked, a bounded wait, torch's rendezvous errors (port in use, timed out) in our words,
+    and each session of the process under its own prefix in one store (:func:`_job_store`).
 
     Raises:
         ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unusable (see :func:`master_endpoint`).
@@ -183,11 +223,14 @@ def init_process_group(
     addr, port = master_endpoint()
     seconds = timeout.total_seconds()
     where = f"{addr}:{port}"
-    if rank != 0 or _agent_hosts_store():
-        _probe_store(addr, port, rank, world_size, seconds)
     try:
+        store, session = _job_store(addr, port, rank, world_size, timeout)
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+            backend,
+            store=dist.PrefixStore(f"dataparallel/session-{session}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
     except (dist.DistError, RuntimeError) as exc:
         text = str(exc)
@@ -197,6 +240,6 @@ def init_process_group(
                 f"free port, found it in use by another program; choose a free port (torchrun "
                 f"--master-port), or let `dataparallel train --strategy ddp` pick one"
             ) from None
-        if "timed out" in text.lower():
+        if "timed out" in text.lower() or "clients joined" in text:
             raise _timed_out(where, rank, world_size, seconds, _first_line(exc)) from None
         raise
