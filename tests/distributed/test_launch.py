@@ -140,3 +140,54 @@ def test_free_port_can_be_bound() -> None:
     assert port != 29500
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_error_on_one_node_only_is_said_once_by_its_rank(tmp_path: Path) -> None:
+    # The checkpoint is on node 0's disk only: the rank on node 1 cannot resume. It used to end
+    # without a word while rank 0 printed "resumed from" and a raw gloo traceback.
+    from dataparallel.app.cli import main
+    from dataparallel.app.demo.checkpoint import load_checkpoint, save_checkpoint
+
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for disk in disks:
+        disk.mkdir()
+    ckpt = disks[0] / "ck.pt"
+    assert main(["train", "--data", "random", "--epochs", "1", "--checkpoint", str(ckpt)]) == 0
+    state = load_checkpoint(ckpt)
+    state["config"]["layout"] = {"strategy": "ddp", "world_size": 2}  # as a 2-process run's
+    save_checkpoint(ckpt, state)
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--devices", "cpu"]
+    argv += ["--epochs", "2", "--checkpoint", "ck.pt", "--resume"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    code = (
+        "import sys\nfrom dataparallel.app.launch import launch\n"
+        f"sys.exit(launch({argv!r}, 1, nnodes=2, node_rank=int(sys.argv[1]), "
+        f"rdzv_endpoint={endpoint!r}, rdzv_id='one-disk'))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(node)],
+            cwd=disks[node],
+            env=child_env(PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)])),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n-----\n".join(outputs)
+    assert [p.returncode for p in procs] == [2, 2], text
+    errors = [line for output in outputs for line in output.splitlines() if "error" in line]
+    assert len(errors) == 1, text
+    assert errors[0].startswith("dataparallel (rank "), text
+    assert "): error: --checkpoint 'ck.pt': no such file to resume from" in errors[0]
+    assert "Traceback" not in text and "resumed from" not in text, text

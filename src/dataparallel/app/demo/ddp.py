@@ -15,12 +15,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 import torch
 from torch import nn
 
-from dataparallel.app.demo.checkpoint import checkpoint_state, end_epoch, resume, run_config
+from dataparallel.app.demo.checkpoint import (
+    checkpoint_state,
+    end_epoch,
+    resume,
+    resume_message,
+    run_config,
+)
 from dataparallel.app.demo.data import DemoData
 from dataparallel.app.demo.models import build_model
 from dataparallel.app.demo.options import (
@@ -38,6 +45,46 @@ if TYPE_CHECKING:  # annotations only
     from dataparallel.app.demo.options import TrainOptions, TrainResult
 
 __all__ = ["ddp_train"]
+
+_T = TypeVar("_T")
+
+
+def _agree(step: Callable[[], _T], rank: int, world: int) -> _T:
+    """Run a setup step that may fail on some ranks only, and tell every rank the outcome.
+
+    A checkpoint or dataset on one node's disk fails on the other node's ranks alone: before,
+    the failing rank ended without a word (only rank 0 speaks) and rank 0 went on into a
+    collective that failed with a raw "Connection closed by peer". Here every rank learns
+    (one ``all_gather_object``) which ranks failed and why: a failure every rank raised alike
+    is said once by rank 0, as before; otherwise the first failing rank says it, with its rank
+    (``UsageError.speaker``), and the others end with the same exit code and no line.
+
+    Raises:
+        UsageError: this rank's failure, or (silent) another rank's.
+    """
+    import torch.distributed as dist
+
+    failure: UsageError | None = None
+    try:
+        result = step()
+    except UsageError as exc:
+        failure = exc
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        said: list[str | None] = [None] * world
+        mine = None if failure is None else " ".join(str(failure).split())
+        dist.all_gather_object(said, mine)
+        failed = [r for r, text in enumerate(said) if text is not None]
+        if failed and not (len(failed) == world and len(set(said)) == 1):
+            first = failed[0]
+            if rank == first and failure is not None:
+                failure.speaker = "self"
+                raise failure
+            quiet = UsageError(f"rank {first} failed: {said[first]}")
+            quiet.speaker = "nobody"
+            raise quiet
+    if failure is not None:
+        raise failure
+    return result
 
 
 def _rank_batches(n: int, world: int, batch_size: int) -> tuple[list[int], list[int]]:
@@ -83,15 +130,32 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
-    from dataparallel.distributed import ShardedSampler, ddp_session, gather_all
-
-    data = load_data(opts)
-    epochs, batch_size, lr = resolve_hyper(data, opts)
-    torch.manual_seed(opts.seed)
-    net = build_model(
-        data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+    from dataparallel.distributed import (
+        ShardedSampler,
+        ddp_session,
+        destroy_distributed,
+        gather_all,
+        init_distributed,
     )
+
     backend = "gloo" if opts.devices == "cpu" else None  # --devices cpu: the CPU, even with GPUs
+    # Join the job first (ddp_session reuses the group), so that a dataset one rank cannot
+    # load is told to every rank rather than left to the rendezvous timeout.
+    joined = init_distributed(backend=backend)
+    try:
+
+        def setup() -> tuple[DemoData, tuple[int, int, float]]:
+            data = load_data(opts)
+            return data, resolve_hyper(data, opts)
+
+        data, (epochs, batch_size, lr) = _agree(setup, joined.rank, joined.world_size)
+        torch.manual_seed(opts.seed)
+        net = build_model(
+            data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+        )
+    except BaseException:
+        destroy_distributed(barrier=False)
+        raise
     with ddp_session(net, backend=backend) as (ddp, info):
         main, world, device = info.rank == 0, info.world_size, info.device
         config = run_config(data, batch_size, opts, lr, world)
@@ -113,9 +177,12 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         history: list[EpochStats] = []
         start_epoch = 0
         if opts.resume and opts.checkpoint:
-            start_epoch, history = resume(
-                opts.checkpoint, config, net, optimizer, out if main else None, epochs
+            path = opts.checkpoint  # on every node's disk, or refused on every rank at once
+            start_epoch, history = _agree(
+                lambda: resume(path, config, net, optimizer, None, epochs), info.rank, world
             )
+            if main:
+                print(resume_message(path, start_epoch, epochs), file=out)
         sampler = ShardedSampler(data.train, shuffle=True, seed=opts.seed)
         loader = DataLoader(data.train, batch_size=sizes[info.rank], sampler=sampler)
         n = len(data.train_y)
