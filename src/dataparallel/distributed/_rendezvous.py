@@ -13,6 +13,7 @@ found, what was expected, and how to fix it.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import math
 import os
 import socket
@@ -175,6 +176,39 @@ def _probe_store(addr: str, port: int, rank: int, world_size: int, seconds: floa
 _STORES: dict[tuple[str, int, int, int], list[Any]] = {}
 
 
+def _loopback_listener(addr: str, port: int) -> socket.socket | None:
+    """A socket listening on ``addr:port`` when ``addr`` is a loopback address, else ``None``.
+
+    torch's ``TCPStore`` listens on every interface whatever host it is given, so a one-machine
+    job (``MASTER_ADDR=127.0.0.1``) would take writes from any host on the network. Given this
+    socket (``master_listen_fd``), the store listens where ``MASTER_ADDR`` says. A job across
+    machines names a reachable address, and keeps torch's binding.
+
+    Raises:
+        RuntimeError: the port is in use (our message, naming ``MASTER_PORT``).
+    """
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    loopback = [i for i in infos if ipaddress.ip_address(i[4][0]).is_loopback]
+    if not loopback or len(loopback) != len(infos):
+        return None
+    family, kind, proto, _, sockaddr = loopback[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(sockaddr)
+        listener.listen()
+    except OSError as exc:
+        listener.close()
+        raise RuntimeError(
+            f"environment variable MASTER_PORT: rank 0 cannot listen on {addr}:{port}: expected "
+            f"a free port, found it in use by another program ({exc.strerror}); choose a free "
+            f"port (torchrun --master-port), or let `dataparallel train --strategy ddp` pick one"
+        ) from None
+    return listener
+
+
 def _job_store(
     addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> tuple[dist.Store, int]:
@@ -192,15 +226,18 @@ def _job_store(
     if entry is None:
         if rank != 0 or _agent_hosts_store():
             _probe_store(addr, port, rank, world_size, timeout.total_seconds())
+        master = rank == 0 and not _agent_hosts_store()
+        listener = _loopback_listener(addr, port) if master else None
         store = dist.TCPStore(
             addr,
             port,
             world_size,
-            is_master=rank == 0 and not _agent_hosts_store(),
+            is_master=master,
             timeout=timeout,
             multi_tenant=True,  # as env:// makes it: torch's own env:// later reuses it
+            master_listen_fd=None if listener is None else listener.fileno(),
         )
-        entry = _STORES[key] = [store, 0]
+        entry = _STORES[key] = [store, 0, listener]
     else:
         entry[0].set_timeout(timeout)
     session = entry[1]
