@@ -7,12 +7,15 @@ that program and waits for an answer that never comes, past any timeout. Here th
 checked first (:func:`master_endpoint`), every wait is bounded (:func:`resolve_timeout`, passed
 to ``init_process_group``, which also bounds gloo's collectives), and what torch raises while
 the ranks meet is said in our words (:func:`init_process_group`): which variable, what was
-found, what was expected, and how to fix it.
+found, what was expected, and how to fix it. The job's store is made once per process and each
+session meets under its own prefix in it (repeated sessions never meet a stale store), and a
+store on a loopback ``MASTER_ADDR`` listens on the loopback only.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import math
 import os
@@ -191,7 +194,7 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return None
-    loopback = [i for i in infos if ipaddress.ip_address(i[4][0]).is_loopback]
+    loopback = [i for i in infos if _is_loopback(str(i[4][0]))]
     if not loopback or len(loopback) != len(infos):
         return None
     family, kind, proto, _, sockaddr = loopback[0]
@@ -201,12 +204,24 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
         listener.listen()
     except OSError as exc:
         listener.close()
+        found = (
+            "in use by another program"
+            if exc.errno == errno.EADDRINUSE
+            else f"not usable ({exc.strerror})"
+        )
         raise RuntimeError(
             f"environment variable MASTER_PORT: rank 0 cannot listen on {addr}:{port}: expected "
-            f"a free port, found it in use by another program ({exc.strerror}); choose a free "
-            f"port (torchrun --master-port), or let `dataparallel train --strategy ddp` pick one"
+            f"a free port, found it {found}; choose a free port (torchrun --master-port), or let "
+            f"`dataparallel train --strategy ddp` pick one"
         ) from None
     return listener
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _job_store(
