@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -246,6 +247,25 @@ def test_checkpoint_write_removes_stale_temp_files(tmp_path: Path) -> None:
     save_checkpoint(target, {"epoch": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "run.pt"]
     assert torch.load(target, weights_only=True) == {"epoch": 1}
+
+
+def test_checkpoint_write_leaves_another_checkpoints_temp_file_alone(tmp_path: Path) -> None:
+    # Another run is writing run.pt.1 in the same folder: its temp file exists, not yet
+    # replaced. Writing run.pt must not remove it (the glob `.run.pt.*.tmp` matched it).
+    fd, theirs = tempfile.mkstemp(prefix=".run.pt.1.", suffix=".tmp", dir=tmp_path)
+    others = [Path(theirs), tmp_path / ".run.pt.bak.abc.tmp", tmp_path / ".run.pt.1.x.y.tmp"]
+    for path in others[1:]:
+        path.write_bytes(b"another checkpoint's write")
+    with os.fdopen(fd, "wb") as f:
+        torch.save({"epoch": 7}, f)
+    ours_stale = tmp_path / ".run.pt.k3j_9q2z.tmp"  # a killed write of run.pt itself
+    ours_stale.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path / "run.pt", {"epoch": 1})
+    assert not ours_stale.exists()
+    assert all(path.exists() for path in others), sorted(p.name for p in tmp_path.iterdir())
+    os.replace(theirs, tmp_path / "run.pt.1")  # the other run's write completes
+    assert torch.load(tmp_path / "run.pt.1", weights_only=True) == {"epoch": 7}
+    assert torch.load(tmp_path / "run.pt", weights_only=True) == {"epoch": 1}
 
 
 def test_a_diverging_run_keeps_the_last_complete_checkpoint(

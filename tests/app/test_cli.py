@@ -263,25 +263,80 @@ def test_two_process_ddp_counts_every_test_sample(
     assert code == 0, err
     figures = _json(out_json)
     assert figures["devices"] == ["cpu", "cpu"]
-    # 100 samples, 50 per rank; batches of 8 and 7: 7 steps on rank 0 (the last of 2 samples)
-    # and 8 on rank 1 (the last of 1), so rank 0 finishes first and Join covers it.
-    assert figures["last_call"]["chunk_sizes"] == [2, 1]
+    # 100 samples, 50 per rank; batches of 8 and 7: 7 batches on rank 0 and 8 on rank 1 (the
+    # last of 1 sample), so rank 0 takes the eighth step on zero samples.
+    assert figures["last_call"]["chunk_sizes"] == [0, 1]
     assert sum(c["total"] for c in figures["per_class"].values()) == 100
 
 
-def test_join_only_where_ranks_run_different_numbers_of_steps() -> None:
-    from dataparallel.app.demo.ddp import _needs_join, _rank_batches
+def test_two_process_ddp_resumed_after_uneven_steps_is_the_same_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Batches of 8 and 7 over 50/50 samples: rank 0 has 7 batches, rank 1 has 8. Under Join
+    # rank 0 skipped the eighth optimizer step, so its momentum (the one written) was not rank
+    # 1's, and a resumed run drifted from the uninterrupted one (1.55 on digits).
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", "2"]
+    argv += ["--devices", "cpu", "--batch-size", "15"]
+    whole, half = tmp_path / "whole.pt", tmp_path / "half.pt"
+    code, _, err = _run([*argv, "--epochs", "2", "--checkpoint", str(whole)], capsys)
+    assert code == 0, err
+    assert _run([*argv, "--epochs", "1", "--checkpoint", str(half)], capsys)[0] == 0
+    code, _, err = _run([*argv, "--epochs", "2", "--checkpoint", str(half), "--resume"], capsys)
+    assert code == 0, err
+    a, b = load_checkpoint(whole), load_checkpoint(half)
+    _assert_states_close(a["model"], b["model"])
+    _assert_optimizers_close(a["optimizer"], b["optimizer"])
+    for x, y in zip(a["history"], b["history"], strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["test_accuracy"] == y["test_accuracy"]
 
-    # 100 samples on 2 ranks, batch 20 (10 + 10): 5 steps each.
-    assert not _needs_join(*_rank_batches(100, 2, 20))
-    # batch 15 (8 + 7): 7 steps against 8 (the two-process test above runs under Join).
-    assert _needs_join(*_rank_batches(100, 2, 15))
-    # batch 30 on 3 ranks (10 each) over 34/33/33 samples: 4 steps each.
-    assert not _needs_join(*_rank_batches(100, 3, 30))
-    # batch 3 on 2 ranks (2 + 1) over 50/50 samples: 25 steps against 50.
-    assert _needs_join(*_rank_batches(100, 2, 3))
-    # 3 samples on 4 ranks: one rank has none, so it finishes first.
-    assert _needs_join(*_rank_batches(3, 4, 4))
+
+def test_a_resume_on_another_number_of_processes_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The order of the global batches depends on the number of processes: a dp checkpoint
+    # resumed by ddp on 2 processes was silently another run (0.0103 off, on digits).
+    ckpt = tmp_path / "one.pt"
+    base = ["train", "--data", "random", "--batch-size", "16", "--checkpoint", str(ckpt)]
+    assert _run([*base, "--epochs", "1"], capfd)[0] == 0
+    state = load_checkpoint(ckpt)
+    assert state["config"]["layout"] == {"strategy": "dp", "world_size": 1}
+    before = ckpt.read_bytes()
+    ddp = ["--strategy", "ddp", "--devices", "cpu", "--epochs", "2", "--resume"]
+    code, _, err = _run([*base, *ddp, "--nproc-per-node", "2"], capfd)
+    assert code == 2 and ckpt.read_bytes() == before
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1, err  # one line for both ranks
+    assert (
+        f"--resume: the checkpoint {str(ckpt)!r} was written by --strategy dp on 1 process, "
+        f"this run is --strategy ddp on 2 processes: expected the checkpoint's 1 process(es)"
+    ) in err
+    assert "resume with --strategy dp (one process)" in err
+    # dp and ddp on one process cut the data alike: the same run, resumed
+    code, _, err = _run([*base, *ddp], capfd)
+    assert code == 0, err
+    assert load_checkpoint(ckpt)["config"]["layout"] == {"strategy": "ddp", "world_size": 1}
+    # and a checkpoint of 2 processes is refused by dp, naming the way back
+    state = load_checkpoint(ckpt)
+    state["config"]["layout"] = {"strategy": "ddp", "world_size": 2}
+    save_checkpoint(ckpt, state)
+    code, _, err = _run([*base, "--epochs", "3", "--resume"], capfd)
+    assert code == 2
+    assert "written by --strategy ddp on 2 processes, this run is --strategy dp on 1 process" in err
+    assert "resume with --strategy ddp with 2 processes" in err
+
+
+def test_every_rank_runs_the_epochs_steps() -> None:
+    from dataparallel.app.demo.ddp import _rank_batches, _step_totals
+
+    # 100 samples on 2 ranks, batch 20 (10 + 10): 5 steps of 20.
+    assert _step_totals(*_rank_batches(100, 2, 20)) == [20] * 5
+    # batch 15 (8 + 7): rank 0 has 7 batches, rank 1 8; the eighth step is rank 1's last sample.
+    assert _step_totals(*_rank_batches(100, 2, 15)) == [15] * 6 + [9, 1]
+    # batch 3 on 2 ranks (2 + 1) over 50/50 samples: 50 steps, rank 0 done after 25.
+    assert _step_totals(*_rank_batches(100, 2, 3)) == [3] * 25 + [1] * 25
+    # 3 samples on 4 ranks: one rank has none, and still takes the one step.
+    assert _step_totals(*_rank_batches(3, 4, 4)) == [3]
 
 
 # ------------------------------------------------------------------------- explain, bench

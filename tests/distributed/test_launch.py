@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,3 +142,129 @@ def test_free_port_can_be_bound() -> None:
     assert port != 29500
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_an_error_on_one_node_only_is_said_once_by_its_rank(tmp_path: Path) -> None:
+    # The checkpoint is on node 0's disk only: the rank on node 1 cannot resume. It used to end
+    # without a word while rank 0 printed "resumed from" and a raw gloo traceback.
+    from dataparallel.app.cli import main
+    from dataparallel.app.demo.checkpoint import load_checkpoint, save_checkpoint
+
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    for disk in disks:
+        disk.mkdir()
+    ckpt = disks[0] / "ck.pt"
+    assert main(["train", "--data", "random", "--epochs", "1", "--checkpoint", str(ckpt)]) == 0
+    state = load_checkpoint(ckpt)
+    state["config"]["layout"] = {"strategy": "ddp", "world_size": 2}  # as a 2-process run's
+    save_checkpoint(ckpt, state)
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--devices", "cpu"]
+    argv += ["--epochs", "2", "--checkpoint", "ck.pt", "--resume"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    code = (
+        "import sys\nfrom dataparallel.app.launch import launch\n"
+        f"sys.exit(launch({argv!r}, 1, nnodes=2, node_rank=int(sys.argv[1]), "
+        f"rdzv_endpoint={endpoint!r}, rdzv_id='one-disk'))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(node)],
+            cwd=disks[node],
+            env=child_env(PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)])),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = "\n-----\n".join(outputs)
+    assert [p.returncode for p in procs] == [2, 2], text
+    errors = [line for output in outputs for line in output.splitlines() if "error" in line]
+    assert len(errors) == 1, text
+    assert errors[0].startswith("dataparallel (rank "), text
+    assert "): error: --checkpoint 'ck.pt': no such file to resume from" in errors[0]
+    assert "Traceback" not in text and "resumed from" not in text, text
+
+
+def _process_tree(pid: int) -> list[int]:
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found += _process_tree(int(child))
+    return found
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """The (address, pid) of every listening TCP socket the processes hold (from /proc)."""
+    owners: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners[target[8:-1]] = pid
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owners:  # 0A: LISTEN
+                found.append((fields[1], owners[fields[9]]))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    host = address.split(":")[0]
+    if len(host) == 8:  # IPv4, little-endian hex
+        return host.endswith("7F")
+    return host in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+def test_a_one_node_job_listens_on_the_loopback_only() -> None:
+    # torch's TCPStore listens on every interface: the launcher's two stores took writes
+    # from any host on the network while the job ran.
+    argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dataparallel", *argv, "--devices", "cpu", "--epochs", "500"],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # the first epoch's line: every store and socket is up
+            lines.append(line)
+            if line.startswith("epoch 1/500"):
+                break
+        pids = _process_tree(proc.pid)
+        sockets = _listening(pids)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert len(pids) == 3, lines  # the launcher and its two workers
+    assert proc.pid in {pid for _, pid in sockets}, sockets  # the rendezvous store
+    assert len({pid for _, pid in sockets}) >= 2, sockets  # and rank 0's store
+    assert [s for s in sockets if not _loopback(s[0])] == [], sockets

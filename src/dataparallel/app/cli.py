@@ -111,7 +111,11 @@ def _run(args_list: list[str]) -> int:
             return run_bench(args)
         raise UsageError("expected a command: train, explain or bench (see dataparallel -h)")
     except (UsageParseError, UsageError) as exc:
-        say(f"{prefix}: error: {_one_line(exc)}")
+        speaker = getattr(exc, "speaker", "rank 0")
+        if speaker == "self":  # only some ranks failed: the first says it, with its rank
+            _say(f"{PROG} (rank {rank}): error: {_one_line(exc)}")
+        elif speaker != "nobody":
+            say(f"{prefix}: error: {_one_line(exc)}")
         return 2
     except TrainingError as exc:
         say(f"{prefix}: error: {_one_line(exc)}")

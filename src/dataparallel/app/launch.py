@@ -120,7 +120,18 @@ def launch(
             f"node, got rdzv_endpoint={rdzv_endpoint!r}, rdzv_id={rdzv_id!r}; pick a host all "
             f"nodes reach and a job name, and pass both on every node"
         )
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    # One node: every store of the job listens on the loopback only (torch's TCPStore binds
+    # every interface whatever host it is given, so any machine on the network could reach and
+    # write an unauthenticated store). The rendezvous store is ours, on a socket bound to
+    # 127.0.0.1 (torch's own rendezvous reuses it: multi-tenant, same port); the job's store is
+    # made by rank 0's worker at MASTER_ADDR=127.0.0.1, which init_distributed binds there too,
+    # rather than by the agent on every interface (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+    local = rdzv_endpoint is None
+    rendezvous_store = _loopback_store() if local else None
+    if rendezvous_store is not None:
+        endpoint = f"127.0.0.1:{rendezvous_store[0].getsockname()[1]}"
+    else:
+        endpoint = str(rdzv_endpoint)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -130,6 +141,7 @@ def launch(
         rdzv_backend="c10d",
         max_restarts=max_restarts,
         monitor_interval=0.1,
+        local_addr="127.0.0.1" if local else None,
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -140,6 +152,8 @@ def launch(
     if "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if local:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         with _quiet_agent_logs():
             elastic_launch(config, entrypoint=sys.executable)("-u", "-m", module, *argv)
@@ -162,7 +176,34 @@ def launch(
         os.environ.update(saved_env)
         for sig, handler in saved_handlers.items():
             signal.signal(sig, handler)
+        if rendezvous_store is not None:
+            rendezvous_store[0].close()
     return 0
+
+
+def _loopback_store() -> tuple[socket.socket, object]:
+    """A rendezvous store listening on 127.0.0.1 only, on a port of its own choosing.
+
+    The socket is bound here and handed to ``TCPStore`` (``master_listen_fd``); both are kept
+    for the launch (the store stops when they are dropped).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        is_master=True,
+        multi_tenant=True,  # torch's c10d rendezvous asks for the same port: it gets this one
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+        master_listen_fd=listener.fileno(),
+    )
+    return listener, store
 
 
 def _report_failure(exc: Exception) -> int:

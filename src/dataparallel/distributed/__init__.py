@@ -15,8 +15,9 @@ script runs with ``python train.py`` and with ``torchrun --nproc-per-node 4 trai
 
 One job per module: the process and its group (``_process``: ``init_distributed``,
 ``destroy_distributed``, ``ddp_session``, ``DistInfo``, ``ENV_VARS``, and the rank, world size
-and device the others read), cutting a batch by rank (``_shard``), gathering across ranks
-(``_gather_all``) and the sampler (``_sampler``).
+and device the others read), meeting the other ranks (``_rendezvous``: the endpoint checked, a
+timeout on every wait, torch's errors in our words), cutting a batch by rank (``_shard``),
+gathering across ranks (``_gather_all``) and the sampler (``_sampler``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,12 @@ as ``dp.gather`` gathers the replicas' outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import numbers
 import pickle
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +80,83 @@ def _local_batch_size(obj: Any, dim: int) -> int | None:
     return found
 
 
+def _paired_leaves(outputs: list[Any], path: str = "output") -> Iterator[tuple[str, list[Any]]]:
+    """Every rank's value at each path, for paths whose containers agree on every rank (the
+    gather itself reports those that do not): dicts, tuples, lists and dataclasses."""
+    first = outputs[0]
+    if isinstance(first, Mapping):
+        if all(isinstance(o, Mapping) and list(o) == list(first) for o in outputs):
+            for key in first:
+                yield from _paired_leaves([o[key] for o in outputs], f"{path}[{key!r}]")
+    elif isinstance(first, (list, tuple)):
+        if all(isinstance(o, (list, tuple)) and len(o) == len(first) for o in outputs):
+            for i in range(len(first)):
+                yield from _paired_leaves([o[i] for o in outputs], f"{path}[{i}]")
+    elif dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if all(type(o) is type(first) for o in outputs):
+            for field in dataclasses.fields(first):
+                values = [getattr(o, field.name) for o in outputs]
+                yield from _paired_leaves(values, f"{path}.{field.name}")
+    else:
+        yield path, outputs
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_float_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and value.is_floating_point()
+    return isinstance(value, float)
+
+
+def _warn_unreadable_scalars(
+    outputs: list[Any],
+    sizes: Sequence[int] | None,
+    scalars: str,
+    rules: Mapping[str, Any] | None,
+) -> None:
+    """Warn where the gather rules give a result one process would not: Python ints equal on
+    every rank (read as a constant, returned once, where an evaluation loop's counts should be
+    summed) and, with the ranks' sizes unknown, float scalars that differ (an unweighted mean,
+    ``nan`` from an empty rank). Both are silent under the in-process rules, where chunk sizes
+    are always known and the replicas share one forward; across ranks they are the common case
+    (``{"correct": 4, "total": 5}``, a loss gathered alone)."""
+    if scalars != "mean" or len(outputs) < 2 or dist.get_rank() != 0:
+        return  # every rank sees the same values: rank 0 alone says it
+    for path, values in _paired_leaves(outputs):
+        if rules and path in rules:
+            continue
+        if all(_is_int(v) for v in values) and all(v == values[0] for v in values):
+            if sizes is not None and all(v == n for v, n in zip(values, sizes, strict=True)):
+                continue  # each rank's chunk size: summed, as a count of samples
+            warnings.warn(
+                f"gather_all: {path} is the Python int {values[0]!r} on every one of the "
+                f"{len(values)} ranks, so it is read as a constant and returned once (the "
+                f"gather rule for an int equal on every replica); one process counting over "
+                f"the whole data would give {sum(values)!r} if it is a count. If it is a count, "
+                f"gather it as a tensor (torch.tensor(n): integer tensors are summed), or pass "
+                f"output_rules={{{path!r}: 'sum'}} or scalars='sum'; if it is a constant, pass "
+                f"output_rules={{{path!r}: 'same'}} to say so",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif sizes is None and all(_is_float_scalar(v) for v in values):
+            floats = [float(v) for v in values]
+            if any(f != floats[0] for f in floats if f == f) or any(f != f for f in floats):
+                warnings.warn(
+                    f"gather_all: {path} is a float scalar whose ranks' sizes are unknown (no "
+                    f"batched tensor and no list beside it), so its values {floats} are "
+                    f"averaged unweighted, and an empty rank's nan spoils the mean; one process "
+                    f"weighs each sample once. Pass batch_size=<this rank's sample count> to "
+                    f"weigh each rank by its samples (empty ranks are left out), or "
+                    f"scalars='sum' with per-rank sums",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+
 def gather_all(
     obj: Any,
     dim: int = 0,
@@ -83,6 +164,7 @@ def gather_all(
     scalars: ScalarMode = "mean",
     batch_size: int | None = None,
     device: DeviceSpec | None = None,
+    output_rules: Mapping[str, int | str] | None = None,
 ) -> Any:
     """Every rank's ``obj``, gathered in rank order under the rules of ``dp.gather``, on every rank.
 
@@ -101,6 +183,12 @@ def gather_all(
     Every rank must call it, the same number of times: gather once after an evaluation loop
     rather than per batch when ranks may see different numbers of batches.
 
+    Where the gather rules would give what one process would not, rank 0 warns (once per place),
+    naming the path and the fix: a Python int equal on every rank is read as a constant and
+    returned once (``{"correct": 4, "total": 5}`` gives 5, not 10): gather counts as tensors,
+    or pass ``output_rules={"output['total']": "sum"}``; a float scalar with no batched value
+    beside it (a loss gathered alone) is an unweighted mean over ranks: pass ``batch_size=``.
+
     Args:
         obj: this rank's outputs, nested as ``dp.gather`` accepts.
         dim: the batch dimension of tensors.
@@ -109,6 +197,8 @@ def gather_all(
             with a batch dimension, or, when ``obj`` holds no tensor at all, from the length of
             its first list. Pass it when neither reading is right.
         device: where tensors land; ``None`` is this rank's device.
+        output_rules: ``{path: rule}`` as in ``dp.gather`` (``"sum"``, ``"mean"``, ``"same"``,
+            ``"list"``, a batch dimension...), e.g. ``{"output['total']": "sum"}``.
 
     Raises:
         ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
@@ -137,6 +227,7 @@ def gather_all(
         # A rank with an empty part (fewer samples than ranks) weighs nothing in a mean, and
         # its mean-reduced loss is nan: leave it out rather than let 0 * nan poison the mean.
         kept = [r for r, size in enumerate(chunk_sizes) if size > 0]
+    _warn_unreadable_scalars(outputs, chunk_sizes, scalars, output_rules)
     try:
         return gather(
             [outputs[r] for r in kept],
@@ -144,6 +235,7 @@ def gather_all(
             dim,
             chunk_sizes=None if chunk_sizes is None else [chunk_sizes[r] for r in kept],
             scalars=scalars,
+            output_rules=output_rules,
         )
     except ValueError as exc:
         pictures = "\n".join(

@@ -11,6 +11,7 @@ rank of how many, on which device" for the batch helpers (``_shard``, ``_gather_
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from dataparallel.distributed._rendezvous import init_process_group, resolve_timeout
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -89,7 +92,9 @@ def _backend_device(backend: str | None, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, backend: str | None = None) -> DistInfo:
+def init_distributed(
+    *, backend: str | None = None, timeout: float | datetime.timedelta | None = None
+) -> DistInfo:
     """Join the job torchrun started, or run as a single process when there is none.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. With all
@@ -100,15 +105,25 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
     :func:`gather_all` and :class:`ShardedSampler` work unchanged then, and :func:`ddp_session`
     makes a private one-process group for DDP.
 
+    ``MASTER_ADDR`` must resolve and ``MASTER_PORT`` be a port number (checked first, with our
+    own message), and nothing waits without a limit: meeting the other ranks, and later every
+    collective of the group, gives up after ``timeout`` (5 minutes by default, where torch
+    waits 30) with a ``TimeoutError`` that says which endpoint was awaited and how to fix it.
+
     Args:
         backend: force a backend (e.g. ``"gloo"`` on a GPU machine); ``None`` picks as above.
+        timeout: the limit, in seconds or as a ``timedelta``, on meeting the other ranks and on
+            each collective; ``None`` reads ``DATAPARALLEL_DIST_TIMEOUT`` (seconds), else 300.
 
     Returns:
         A frozen :class:`DistInfo`.
 
     Raises:
-        RuntimeError: only some of the variables are set (the message names the missing ones).
-        ValueError: a variable is not an integer, or ranks are out of range.
+        RuntimeError: only some of the variables are set (the message names the missing ones),
+            or rank 0 cannot listen on ``MASTER_PORT`` (another program holds it).
+        ValueError: a variable is not an integer, ranks are out of range, ``MASTER_PORT`` is
+            not a port number, ``MASTER_ADDR`` does not resolve, or ``timeout`` is not positive.
+        TimeoutError: the other ranks did not all arrive within ``timeout``.
     """
     if dist.is_available() and dist.is_initialized():
         used = dist.get_backend()
@@ -120,6 +135,7 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
             _backend_device(used, local_rank),
             used,
         )
+    limit = resolve_timeout(timeout)  # checked even for one process: a typo fails everywhere
     present = [name for name in ENV_VARS if name in os.environ]
     if not present:
         return DistInfo(0, 0, 1, _backend_device(backend, 0), None)
@@ -147,7 +163,7 @@ def init_distributed(*, backend: str | None = None) -> DistInfo:
                 f"visible; start at most that many processes per node (--nproc-per-node)"
             )
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world_size)
+    init_process_group(chosen, rank, world_size, limit)
     return DistInfo(rank, local_rank, world_size, device, chosen)
 
 
@@ -221,7 +237,11 @@ def local_device() -> torch.device:
 
 @contextmanager
 def ddp_session(
-    module: torch.nn.Module, *, backend: str | None = None, **ddp_kwargs: Any
+    module: torch.nn.Module,
+    *,
+    backend: str | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    **ddp_kwargs: Any,
 ) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
     """Run ``module`` under ``DistributedDataParallel`` for the length of a ``with`` block.
 
@@ -236,19 +256,28 @@ def ddp_session(
     when the shards are equal; with uneven shards (e.g. from :func:`shard`) scale it:
     ``loss_sum_on_rank * world_size / global_batch_size``.
 
-    Ranks that run different numbers of steps (uneven data) hang in DDP's all-reduce. Use
-    torch's ``Join``::
+    Ranks that run different numbers of steps (uneven data) hang in DDP's all-reduce. Give
+    every rank every step: a rank whose shard has run out steps on a batch of zero samples
+    (its gradients are zeros), so all ranks all-reduce the same gradients and call
+    ``optimizer.step()`` as one process does, and momentum, Adam's moments and schedulers stay
+    equal on every rank. (torch's ``Join`` lets the finished rank skip its optimizer steps, so
+    its optimizer state drifts.) ::
 
-        from torch.distributed.algorithms.join import Join
-
-        with ddp_session(model) as (ddp, info), Join([ddp]):
-            for x, y in loader:  # may have fewer batches on some ranks
-                ...
+        counts = [len(ShardedSampler(data, rank=r)) for r in range(info.world_size)]
+        steps = -(-max(counts) // batch)  # the most batches any rank has
+        totals = [sum(min(batch, max(0, c - k * batch)) for c in counts) for k in range(steps)]
+        empty = [t[:0] for t in next(iter(DataLoader(data, batch_size=1)))]
+        batches = iter(loader)
+        for k in range(steps):
+            x, y = next(batches, empty)  # no batch left: zero samples
+            loss = F.cross_entropy(ddp(x), y, reduction="sum") * info.world_size / totals[k]
 
     Args:
         module: the model; it is moved to this rank's device.
         backend: force a backend, as in :func:`init_distributed` (``"gloo"`` runs the ranks on
             the CPU of a GPU machine); ``None`` picks nccl with CUDA, else gloo.
+        timeout: the limit on meeting the other ranks and on each collective, as in
+            :func:`init_distributed` (default 300 s, or ``DATAPARALLEL_DIST_TIMEOUT``).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
     Yields:
@@ -257,10 +286,16 @@ def ddp_session(
     from torch.nn.parallel import DistributedDataParallel
 
     try:
-        info = init_distributed(backend=backend)
+        info = init_distributed(backend=backend, timeout=timeout)
         if info.backend is None:
             chosen = backend or _default_backend()
-            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(
+                chosen,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=resolve_timeout(timeout),
+            )
             info = dataclasses.replace(info, backend=chosen)
         module.to(info.device)
         device_ids = [info.device.index] if info.device.type == "cuda" else None

@@ -27,8 +27,8 @@ class ShardedSampler(Sampler[int]):
     dataset's order when ``shuffle=False``.
 
     With uneven blocks ranks may run different numbers of batches: for evaluation gather once
-    at the end; for DDP training wrap the loop in ``torch.distributed.algorithms.Join`` (see
-    :func:`ddp_session`), or use a batch size that divides every rank's count.
+    at the end; for DDP training give every rank the same number of steps, a rank with no batch
+    left stepping on zero samples (see :func:`ddp_session`), so every optimizer steps alike.
 
     Args:
         dataset: anything with ``len()``.

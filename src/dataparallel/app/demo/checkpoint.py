@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import re
 import tempfile
 from collections.abc import Callable
 from glob import escape as glob_escape
@@ -73,12 +74,26 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
             os.close(dir_fd)
 
 
+def _temp_name_pattern(target: Path) -> re.Pattern[str]:
+    """The names ``save_checkpoint`` gives ``target``'s temp files, and no other target's.
+
+    ``mkstemp`` names them ``.{name}.{random}.tmp`` with a random part free of dots, so the part
+    between the target's own prefix and ``.tmp`` is one dot-free word. A glob such as
+    ``.run.pt.*.tmp`` would also match ``.run.pt.1.{random}.tmp``, the temp file of another
+    checkpoint (``run.pt.1``) that another run may be writing at this very moment.
+    """
+    return re.compile(rf"\.{re.escape(target.name)}\.[A-Za-z0-9_]+\.tmp")
+
+
 def _remove_stale_temps(target: Path) -> None:
     # Temp files of earlier writes of this same checkpoint that never reached os.replace (the
-    # process was killed mid-write). Only this target's prefix is touched.
+    # process was killed mid-write). Only this target's own temp names are touched: another
+    # checkpoint's temp file in the same folder (run.pt.1 beside run.pt) is never removed.
+    pattern = _temp_name_pattern(target)
     for stale in target.parent.glob(f".{glob_escape(target.name)}.*.tmp"):
-        with contextlib.suppress(OSError):
-            stale.unlink()
+        if pattern.fullmatch(stale.name):
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -128,8 +143,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -> dict[str, Any]:
-    """What must match for a resumed run to continue the same run."""
+def run_config(
+    data: DemoData, batch_size: int, opts: TrainOptions, lr: float, world_size: int = 1
+) -> dict[str, Any]:
+    """What must match for a resumed run to continue the same run.
+
+    ``world_size`` is the number of processes that cut the data (1 under dp, whatever its
+    devices: one process takes each global batch whole). Under ddp each global batch is every
+    rank's k-th batch, so the batch order depends on it: the layout is recorded and checked.
+    """
     return {
         "data": data.spec,
         "batch_size": batch_size,
@@ -137,6 +159,7 @@ def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -
         "lr": lr,
         "momentum": opts.momentum,
         "batchnorm": opts.batchnorm,
+        "layout": {"strategy": opts.strategy, "world_size": int(world_size)},
     }
 
 
@@ -144,20 +167,50 @@ def run_config(data: DemoData, batch_size: int, opts: TrainOptions, lr: float) -
 _BEFORE = {"batchnorm": "none"}
 
 
+def _layout_words(layout: dict[str, Any]) -> str:
+    n = layout["world_size"]
+    return f"--strategy {layout['strategy']} on {n} process{'' if n == 1 else 'es'}"
+
+
+def _check_layout(saved: Any, layout: dict[str, Any], path: str) -> None:
+    """Refuse a resume whose number of processes differs from the checkpoint's.
+
+    The order of the global batches depends on it (not on dp's devices, nor on dp against ddp
+    on one process: those are the same run). A checkpoint written before the layout was
+    recorded says nothing, and is resumed as before.
+    """
+    if not isinstance(saved, dict) or saved.get("world_size") == layout["world_size"]:
+        return
+    n = saved.get("world_size")
+    ways = "--strategy dp (one process)" if n == 1 else f"--strategy ddp with {n} processes"
+    raise UsageError(
+        f"--resume: the checkpoint {path!r} was written by {_layout_words(saved)}, this run is "
+        f"{_layout_words(layout)}: expected the checkpoint's {n} process(es), because the order "
+        f"of the global batches depends on the number of processes and another number would "
+        f"silently be a different run; resume with {ways} (--nproc-per-node times the nodes), "
+        f"or start a new run without --resume"
+    )
+
+
 def check_resume(state: dict[str, Any], config: dict[str, Any], path: str) -> None:
     """Check that a checkpoint was written with this run's :func:`run_config`.
 
     Raises:
-        UsageError: an option differs from the one the checkpoint was written with.
+        UsageError: an option differs from the one the checkpoint was written with, or the
+            number of processes (the layout) differs.
     """
     saved = state.get("config", {})
     for key, value in config.items():
+        if key == "layout":
+            continue
         if saved.get(key, _BEFORE.get(key)) != value:
             flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"--resume: the checkpoint {path!r} was written with {flag} "
                 f"{saved.get(key)!r}, got {value!r}; resume with the same {flag}"
             )
+    if "layout" in config:
+        _check_layout(saved.get("layout"), config["layout"], path)
 
 
 def resume(

@@ -2,8 +2,9 @@
 
 Started by :func:`dataparallel.app.launch.launch` or torchrun, each process trains its share:
 ``ddp_session`` wraps the model in ``DistributedDataParallel``, ``ShardedSampler`` partitions
-the training and test sets exactly, ``Join`` covers ranks with fewer steps (only when some
-rank has fewer: otherwise it would cost an all-reduce per step), one all-reduce per epoch
+the training and test sets exactly, every rank runs every step of the epoch (a rank whose shard
+has run out steps on zero samples, so all ranks all-reduce the same gradients and their
+optimizers stay equal to one process's), one all-reduce per epoch
 sums the loss and every rank's per-class test counts (exact), and rank 0 reports. It lives
 apart from the dp loop in :mod:`dataparallel.app.demo.train` because its batching (a global batch
 cut over ranks) and its evaluation (gathered over ranks) differ from dp's.
@@ -14,12 +15,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 import torch
 from torch import nn
 
-from dataparallel.app.demo.checkpoint import checkpoint_state, end_epoch, resume, run_config
+from dataparallel.app.demo.checkpoint import (
+    checkpoint_state,
+    end_epoch,
+    resume,
+    resume_message,
+    run_config,
+)
 from dataparallel.app.demo.data import DemoData
 from dataparallel.app.demo.models import build_model
 from dataparallel.app.demo.options import (
@@ -38,6 +46,46 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["ddp_train"]
 
+_T = TypeVar("_T")
+
+
+def _agree(step: Callable[[], _T], rank: int, world: int) -> _T:
+    """Run a setup step that may fail on some ranks only, and tell every rank the outcome.
+
+    A checkpoint or dataset on one node's disk fails on the other node's ranks alone: before,
+    the failing rank ended without a word (only rank 0 speaks) and rank 0 went on into a
+    collective that failed with a raw "Connection closed by peer". Here every rank learns
+    (one ``all_gather_object``) which ranks failed and why: a failure every rank raised alike
+    is said once by rank 0, as before; otherwise the first failing rank says it, with its rank
+    (``UsageError.speaker``), and the others end with the same exit code and no line.
+
+    Raises:
+        UsageError: this rank's failure, or (silent) another rank's.
+    """
+    import torch.distributed as dist
+
+    failure: UsageError | None = None
+    try:
+        result = step()
+    except UsageError as exc:
+        failure = exc
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        said: list[str | None] = [None] * world
+        mine = None if failure is None else " ".join(str(failure).split())
+        dist.all_gather_object(said, mine)
+        failed = [r for r, text in enumerate(said) if text is not None]
+        if failed and not (len(failed) == world and len(set(said)) == 1):
+            first = failed[0]
+            if rank == first and failure is not None:
+                failure.speaker = "self"
+                raise failure
+            quiet = UsageError(f"rank {first} failed: {said[first]}")
+            quiet.speaker = "nobody"
+            raise quiet
+    if failure is not None:
+        raise failure
+    return result
+
 
 def _rank_batches(n: int, world: int, batch_size: int) -> tuple[list[int], list[int]]:
     """Each rank's sample count (ShardedSampler's split) and batch size (the global batch cut as
@@ -55,15 +103,6 @@ def _step_totals(counts: list[int], sizes: list[int]) -> list[int]:
         sum(max(0, min(s, c - k * s)) for c, s in zip(counts, sizes, strict=True))
         for k in range(steps)
     ]
-
-
-def _needs_join(counts: list[int], sizes: list[int]) -> bool:
-    """Whether ranks run different numbers of steps per epoch, so ``Join`` must shadow the
-    finished ranks' all-reduces. ``Join`` costs an extra all-reduce on every step of every rank
-    (measured: 0.59x a raw DDP loop's samples/s with it, on 2 gloo processes), so a run whose
-    ranks step alike goes without it."""
-    steps = {-(-c // s) for c, s in zip(counts, sizes, strict=True)}
-    return len(steps) > 1
 
 
 def _loss_scales(counts: list[int], sizes: list[int], world: int) -> list[float | None]:
@@ -89,21 +128,37 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             number of processes.
     """
     import torch.nn.functional as F
-    from torch.distributed.algorithms.join import Join
     from torch.utils.data import DataLoader
 
-    from dataparallel.distributed import ShardedSampler, ddp_session, gather_all
-
-    data = load_data(opts)
-    epochs, batch_size, lr = resolve_hyper(data, opts)
-    torch.manual_seed(opts.seed)
-    net = build_model(
-        data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+    from dataparallel.distributed import (
+        ShardedSampler,
+        ddp_session,
+        destroy_distributed,
+        gather_all,
+        init_distributed,
     )
-    config = run_config(data, batch_size, opts, lr)
+
     backend = "gloo" if opts.devices == "cpu" else None  # --devices cpu: the CPU, even with GPUs
+    # Join the job first (ddp_session reuses the group), so that a dataset one rank cannot
+    # load is told to every rank rather than left to the rendezvous timeout.
+    joined = init_distributed(backend=backend)
+    try:
+
+        def setup() -> tuple[DemoData, tuple[int, int, float]]:
+            data = load_data(opts)
+            return data, resolve_hyper(data, opts)
+
+        data, (epochs, batch_size, lr) = _agree(setup, joined.rank, joined.world_size)
+        torch.manual_seed(opts.seed)
+        net = build_model(
+            data.input_shape, len(data.classes), trace=opts.trace, batchnorm=opts.batchnorm
+        )
+    except BaseException:
+        destroy_distributed(barrier=False)
+        raise
     with ddp_session(net, backend=backend) as (ddp, info):
         main, world, device = info.rank == 0, info.world_size, info.device
+        config = run_config(data, batch_size, opts, lr, world)
         counts, sizes = _rank_batches(len(data.train_y), world, batch_size)
         if min(sizes) < 1:
             raise UsageError(
@@ -113,14 +168,21 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
         totals = _step_totals(counts, sizes)
         # How each step's loss is reduced (see backward below), decided once per run.
         scales = _loss_scales(counts, sizes, world)
-        uneven = _needs_join(counts, sizes)
+        # A rank whose shard has run out still takes the epoch's last steps, on zero samples:
+        # its gradients are zeros, DDP all-reduces them with the others', and every rank calls
+        # optimizer.step() on the same gradients, as one process does. Join instead let the
+        # finished rank skip its steps, and its momentum (never copied back) drifted.
+        empty = (data.train_x[:0], data.train_y[:0])
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=opts.momentum)
         history: list[EpochStats] = []
         start_epoch = 0
         if opts.resume and opts.checkpoint:
-            start_epoch, history = resume(
-                opts.checkpoint, config, net, optimizer, out if main else None, epochs
+            path = opts.checkpoint  # on every node's disk, or refused on every rank at once
+            start_epoch, history = _agree(
+                lambda: resume(path, config, net, optimizer, None, epochs), info.rank, world
             )
+            if main:
+                print(resume_message(path, start_epoch, epochs), file=out)
         sampler = ShardedSampler(data.train, shuffle=True, seed=opts.seed)
         loader = DataLoader(data.train, batch_size=sizes[info.rank], sampler=sampler)
         n = len(data.train_y)
@@ -133,21 +195,18 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
             # No bar object at all when none is shown (building one costs a tenth of a step).
             show = main and progress_shown(opts.progress)
             bar = progress_bar(n, f"epoch {epoch + 1}/{epochs}", True) if show else None
-            # Join lets a rank with fewer batches shadow the others' gradient all-reduces; with
-            # every rank stepping alike it would only add an all-reduce per step.
             with contextlib.ExitStack() as stack:
                 if bar is not None:
                     stack.enter_context(contextlib.closing(bar))
-                if uneven:
-                    stack.enter_context(Join([ddp]))
                 # The step does what a hand-written DDP loop does, plus a clock read: the
                 # per-step figures of the report are kept as plain numbers.
-                for k, (x, y) in enumerate(loader):
+                batches = iter(loader)
+                for k, scale in enumerate(scales):
                     step_start = time.perf_counter()
+                    x, y = next(batches, empty)  # no batch left here: a step on zero samples
                     x, y = x.to(device), y.to(device)
                     optimizer.zero_grad()
                     output = ddp(x)
-                    scale = scales[k]
                     if scale is None:  # every rank has this step's share: the plain mean
                         loss = F.cross_entropy(output, y)
                         loss.backward()
@@ -162,7 +221,7 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
                     last_samples, last_seconds = samples, time.perf_counter() - step_start
                     if bar is not None:
                         bar.update(totals[k])
-                        bar.set_postfix(loss=f"{value / samples:.4f}")
+                        bar.set_postfix(loss=f"{value / max(samples, 1):.4f}")
             seconds = time.perf_counter() - t0
             clock.add(n, seconds)
             # The epoch's figures in one all-reduce: the loss sums and the test counts.

@@ -40,7 +40,15 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
 class UsageError(Exception):
-    """A bad option or input: the command line prints the message on one line and exits 2."""
+    """A bad option or input: the command line prints the message on one line and exits 2.
+
+    Under ddp, ``speaker`` says which rank prints it: ``"rank 0"`` (the default: every rank
+    raised it alike, so rank 0 says it once), ``"self"`` (only some ranks raised it, say a
+    checkpoint on one node's disk: the first of them says it, with its rank) or ``"nobody"``
+    (another rank failed and says why; this one only ends, with the same exit code).
+    """
+
+    speaker: str = "rank 0"
 
 
 class TrainingError(Exception):

@@ -1,0 +1,297 @@
+"""Meeting the other ranks: the endpoint checked, a timeout on everything, torch's errors named.
+
+torch reads ``MASTER_ADDR`` and ``MASTER_PORT`` itself and fails with raw messages (``invalid
+literal for int()``) or, worse, waits: its default timeout is 30 minutes, an unresolvable host
+retries for all of it, and a rank whose ``MASTER_PORT`` is held by another program connects to
+that program and waits for an answer that never comes, past any timeout. Here the endpoint is
+checked first (:func:`master_endpoint`), every wait is bounded (:func:`resolve_timeout`, passed
+to ``init_process_group``, which also bounds gloo's collectives), and what torch raises while
+the ranks meet is said in our words (:func:`init_process_group`): which variable, what was
+found, what was expected, and how to fix it. The job's store is made once per process and each
+session meets under its own prefix in it (repeated sessions never meet a stale store), and a
+store on a loopback ``MASTER_ADDR`` listens on the loopback only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import ipaddress
+import math
+import os
+import socket
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "init_process_group",
+    "master_endpoint",
+    "resolve_timeout",
+]
+
+#: The default limit, in seconds, on meeting the other ranks and on each collective.
+DEFAULT_TIMEOUT_S = 300.0
+
+#: The environment variable that changes the default limit (seconds), e.g. for a CLI run.
+TIMEOUT_ENV = "DATAPARALLEL_DIST_TIMEOUT"
+
+_ENDPOINT_FIX = (
+    "set MASTER_ADDR to the rank-0 host's name or IP address and MASTER_PORT to a free port "
+    "there, the same on every rank (torchrun --master-addr/--master-port, or --rdzv-endpoint); "
+    "on one machine, 127.0.0.1 and any free port (`dataparallel train --strategy ddp` picks one)"
+)
+
+
+def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    """The limit on meeting the other ranks and on each collective.
+
+    ``timeout`` as given (seconds, or a ``timedelta``), else ``DATAPARALLEL_DIST_TIMEOUT``
+    (seconds), else :data:`DEFAULT_TIMEOUT_S` (5 minutes, where torch waits 30).
+
+    Raises:
+        ValueError: not a positive number of seconds (the message names where it came from).
+    """
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        where, found = f"environment variable {TIMEOUT_ENV}", repr(raw)
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = math.nan
+    else:
+        where, found = "timeout", repr(timeout)
+        if isinstance(timeout, datetime.timedelta):
+            seconds = timeout.total_seconds()
+        elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            seconds = float(timeout)
+        else:
+            seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(
+            f"{where}: expected a positive, finite number of seconds, got {found}; pass e.g. "
+            f"timeout=600 (or a datetime.timedelta), or set {TIMEOUT_ENV}=600"
+        )
+    return datetime.timedelta(seconds=seconds)
+
+
+def master_endpoint() -> tuple[str, int]:
+    """``MASTER_ADDR`` and ``MASTER_PORT``, checked: a resolvable host and a port number.
+
+    Raises:
+        ValueError: the port is not an integer from 1 to 65535, or the host does not resolve
+            (an unresolvable host would otherwise be retried until the timeout).
+    """
+    addr, raw_port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    try:
+        port = int(raw_port)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"environment variable MASTER_PORT: expected an integer port from 1 to 65535, got "
+            f"{raw_port!r}; {_ENDPOINT_FIX}"
+        )
+    if not addr.strip():
+        raise ValueError(
+            f"environment variable MASTER_ADDR: expected a host, got {addr!r}; {_ENDPOINT_FIX}"
+        )
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(
+            f"environment variable MASTER_ADDR: expected a host name or address this machine "
+            f"can resolve, got {addr!r} ({exc}); {_ENDPOINT_FIX}"
+        ) from None
+    return addr, port
+
+
+def _agent_hosts_store() -> bool:
+    """Whether torchrun's agent hosts the job's store, so every rank (rank 0 too) is a client."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _timed_out(where: str, rank: int, world_size: int, seconds: float, cause: str) -> TimeoutError:
+    return TimeoutError(
+        f"init_distributed: rank {rank} of {world_size} waited {seconds:g} s for the other ranks "
+        f"at MASTER_ADDR:MASTER_PORT={where} and gave up ({cause}); expected all {world_size} "
+        f"processes to start and reach that endpoint; check that every rank was started with "
+        f"the same MASTER_ADDR and MASTER_PORT and that the host is reachable, or wait longer "
+        f"with init_distributed(timeout=seconds), ddp_session(model, timeout=seconds) or "
+        f"{TIMEOUT_ENV}=seconds"
+    )
+
+
+def _probe_store(addr: str, port: int, rank: int, world_size: int, seconds: float) -> None:
+    """Connect to the job's store as a client before torch does, and bound the wait.
+
+    A program other than a store that holds ``MASTER_PORT`` accepts the connection and never
+    answers; torch's client then waits past its own timeout. The probe runs in a daemon thread
+    that the caller leaves behind once the limit has passed, with our error.
+    """
+    failure: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            store = dist.TCPStore(
+                addr,
+                port,
+                world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=seconds),
+                wait_for_workers=False,
+            )
+            del store
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=connect, name="store-probe", daemon=True)
+    thread.start()
+    thread.join(seconds + 5.0)  # torch's own connect timeout first, then ours
+    where = f"{addr}:{port}"
+    if thread.is_alive():
+        raise TimeoutError(
+            f"init_distributed: rank {rank} of {world_size} reached MASTER_ADDR:MASTER_PORT="
+            f"{where}, but no torch.distributed store answered there within {seconds:g} s: "
+            f"expected rank 0's store (or torchrun's) at that endpoint, found a program that "
+            f"accepts connections and does not answer (another program holds the port, or "
+            f"rank 0 is stuck); {_ENDPOINT_FIX}"
+        )
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, (dist.DistError, RuntimeError)) and "timed out" in str(exc).lower():
+            raise _timed_out(where, rank, world_size, seconds, _first_line(exc)) from None
+        raise exc
+
+
+# The job's store, one per endpoint, kept for the life of the process, and how many sessions
+# each has started: every session's group lives under its own key prefix in it.
+_STORES: dict[tuple[str, int, int, int], list[Any]] = {}
+
+
+def _loopback_listener(addr: str, port: int) -> socket.socket | None:
+    """A socket listening on ``addr:port`` when ``addr`` is a loopback address, else ``None``.
+
+    torch's ``TCPStore`` listens on every interface whatever host it is given, so a one-machine
+    job (``MASTER_ADDR=127.0.0.1``) would take writes from any host on the network. Given this
+    socket (``master_listen_fd``), the store listens where ``MASTER_ADDR`` says. A job across
+    machines names a reachable address, and keeps torch's binding.
+
+    Raises:
+        RuntimeError: the port is in use (our message, naming ``MASTER_PORT``).
+    """
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    loopback = [i for i in infos if _is_loopback(str(i[4][0]))]
+    if not loopback or len(loopback) != len(infos):
+        return None
+    family, kind, proto, _, sockaddr = loopback[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(sockaddr)
+        listener.listen()
+    except OSError as exc:
+        listener.close()
+        found = (
+            "in use by another program"
+            if exc.errno == errno.EADDRINUSE
+            else f"not usable ({exc.strerror})"
+        )
+        raise RuntimeError(
+            f"environment variable MASTER_PORT: rank 0 cannot listen on {addr}:{port}: expected "
+            f"a free port, found it {found}; choose a free port (torchrun --master-port), or let "
+            f"`dataparallel train --strategy ddp` pick one"
+        ) from None
+    return listener
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _job_store(
+    addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> tuple[dist.Store, int]:
+    """The job's store at ``addr:port`` and this session's number in it.
+
+    Made once per process, as ``env://`` makes it (rank 0 hosts it, unless torchrun's agent
+    does), and kept: a second session then meets the others in the same store under a fresh
+    prefix. Made anew per session, a rank that tore down its first session early connected to
+    rank 0's first store, not yet closed, and waited there on the first session's keys (the
+    repeated-session hang). Every rank runs the same sessions in the same order, so the
+    numbers agree.
+    """
+    key = (addr, port, rank, world_size)
+    entry = _STORES.get(key)
+    if entry is None:
+        if rank != 0 or _agent_hosts_store():
+            _probe_store(addr, port, rank, world_size, timeout.total_seconds())
+        master = rank == 0 and not _agent_hosts_store()
+        listener = _loopback_listener(addr, port) if master else None
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master=master,
+            timeout=timeout,
+            multi_tenant=True,  # as env:// makes it: torch's own env:// later reuses it
+            master_listen_fd=None if listener is None else listener.fileno(),
+        )
+        entry = _STORES[key] = [store, 0, listener]
+    else:
+        entry[0].set_timeout(timeout)
+    session = entry[1]
+    entry[1] += 1
+    return entry[0], session
+
+
+def init_process_group(
+    backend: str, rank: int, world_size: int, timeout: datetime.timedelta
+) -> None:
+    """``torch.distributed.init_process_group`` over ``env://``'s store, with the endpoint
+    checked, a bounded wait, torch's rendezvous errors (port in use, timed out) in our words,
+    and each session of the process under its own prefix in one store (:func:`_job_store`).
+
+    Raises:
+        ValueError: ``MASTER_ADDR`` or ``MASTER_PORT`` is unusable (see :func:`master_endpoint`).
+        RuntimeError: rank 0 cannot listen on ``MASTER_PORT`` (another program holds it).
+        TimeoutError: the other ranks did not all arrive within ``timeout``.
+    """
+    addr, port = master_endpoint()
+    seconds = timeout.total_seconds()
+    where = f"{addr}:{port}"
+    try:
+        store, session = _job_store(addr, port, rank, world_size, timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"dataparallel/session-{session}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    except (dist.DistError, RuntimeError) as exc:
+        text = str(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise RuntimeError(
+                f"environment variable MASTER_PORT: rank 0 cannot listen on {where}: expected a "
+                f"free port, found it in use by another program; choose a free port (torchrun "
+                f"--master-port), or let `dataparallel train --strategy ddp` pick one"
+            ) from None
+        if "timed out" in text.lower() or "clients joined" in text:
+            raise _timed_out(where, rank, world_size, seconds, _first_line(exc)) from None
+        raise

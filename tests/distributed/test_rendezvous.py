@@ -1,0 +1,167 @@
+"""Meeting the other ranks: bad endpoints are our own errors, and nothing waits without a limit.
+
+The waits run in real processes (``python -c``, torchrun's variables set only there) with a
+timeout of 2 s, so each ends in seconds where torch alone waits 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch._dynamo  # DDP imports it, and the import sets TORCHINDUCTOR_CACHE_DIR
+import torch.distributed as dist
+
+from dataparallel.app.launch import free_port
+from dataparallel.distributed import ENV_VARS, ddp_session, init_distributed
+
+from ._helpers import child_env, run_workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# One rank of a job, alone: prints the exception's type and message on one line.
+_ONE_RANK = """
+import sys
+from dataparallel.distributed import init_distributed
+try:
+    init_distributed(backend="gloo", timeout=float(sys.argv[1]))
+except Exception as exc:
+    print(type(exc).__name__, "|", str(exc).replace("\\n", " "))
+else:
+    print("joined")
+"""
+
+
+def _env(rank: int, port: int, addr: str = "127.0.0.1", world_size: int = 2) -> dict[str, str]:
+    return child_env(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+
+
+@pytest.fixture
+def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _set_env(monkeypatch: pytest.MonkeyPatch, addr: str, port: str) -> None:
+    for name, value in zip(ENV_VARS, ["0", "1", "0", addr, port], strict=True):
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("port", ["abc", "70000", "0", "-5"])
+def test_a_bad_master_port_is_our_error(no_torchrun_env: pytest.MonkeyPatch, port: str) -> None:
+    _set_env(no_torchrun_env, "127.0.0.1", port)
+    with pytest.raises(ValueError) as caught:
+        init_distributed(backend="gloo")
+    message = str(caught.value)
+    assert message.startswith("environment variable MASTER_PORT: expected an integer port from ")
+    assert f"got {port!r}" in message and "--master-port" in message
+
+
+def test_an_unresolvable_master_addr_fails_fast(no_torchrun_env: pytest.MonkeyPatch) -> None:
+    _set_env(no_torchrun_env, "no-such-host.invalid", str(free_port()))
+    start = time.monotonic()
+    with pytest.raises(ValueError) as caught:
+        init_distributed(backend="gloo")  # world size 1: torch alone waited past 40 s
+    assert time.monotonic() - start < 10
+    message = str(caught.value)
+    assert "MASTER_ADDR: expected a host name or address this machine can resolve" in message
+    assert "got 'no-such-host.invalid'" in message and "--master-addr" in message
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_a_bad_timeout_is_our_error(no_torchrun_env: pytest.MonkeyPatch, value: str) -> None:
+    no_torchrun_env.setenv("DATAPARALLEL_DIST_TIMEOUT", value)
+    expected = "environment variable DATAPARALLEL_DIST_TIMEOUT: expected"
+    with pytest.raises(ValueError, match=expected):
+        init_distributed()
+    no_torchrun_env.delenv("DATAPARALLEL_DIST_TIMEOUT")
+    with pytest.raises(ValueError, match=r"timeout: expected a positive, finite number"):
+        init_distributed(timeout=0)
+
+
+@contextmanager
+def _silent_listener() -> Iterator[int]:
+    """Another program on the port: it accepts connections and never answers."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+def _start(rank: int, port: int, timeout: float = 2.0) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _ONE_RANK, str(timeout)],
+        env=_env(rank, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # torch's C++ retry logs
+        text=True,
+    )
+
+
+def test_nothing_waits_past_the_timeout() -> None:
+    """Each case alone would wait 30 minutes (or for ever) under torch's defaults."""
+    with _silent_listener() as held:
+        start = time.monotonic()
+        runs = {
+            "rank 0 alone": _start(0, free_port()),
+            "rank 1, nobody there": _start(1, free_port()),
+            "rank 1, port held": _start(1, held),
+            "rank 0, port held": _start(0, held),
+        }
+        lines = {name: run.communicate(timeout=90)[0].strip() for name, run in runs.items()}
+        elapsed = time.monotonic() - start
+    assert elapsed < 60, lines
+    waited = "waited 2 s for the other ranks at MASTER_ADDR:MASTER_PORT=127.0.0.1:"
+    assert lines["rank 0 alone"].startswith("TimeoutError | init_distributed: rank 0 of 2 "), lines
+    assert lines["rank 1, nobody there"].startswith("TimeoutError | init_distributed: rank 1 of 2")
+    for name in ("rank 0 alone", "rank 1, nobody there"):
+        assert waited in lines[name] and "init_distributed(timeout=seconds)" in lines[name], lines
+    assert lines["rank 1, port held"].startswith(
+        f"TimeoutError | init_distributed: rank 1 of 2 reached MASTER_ADDR:MASTER_PORT=127.0.0.1:"
+        f"{held}, but no torch.distributed store answered there within 2 s"
+    ), lines
+    assert lines["rank 0, port held"].startswith(
+        f"RuntimeError | environment variable MASTER_PORT: rank 0 cannot listen on 127.0.0.1:"
+        f"{held}: expected a free port, found it in use by another program"
+    ), lines
+
+
+def test_the_timeout_passes_through_and_ranks_that_meet_join() -> None:
+    port = free_port()
+    runs = [_start(rank, port, timeout=30) for rank in (1, 0)]  # the client first: it waits
+    assert [run.communicate(timeout=90)[0].strip() for run in runs] == ["joined", "joined"]
+
+
+SESSIONS = 20
+
+
+def _sessions_worker() -> None:
+    os.sched_setaffinity(0, {0})  # both ranks on one core: the race is most likely there
+    for _ in range(SESSIONS):
+        with ddp_session(torch.nn.Linear(3, 2), backend="gloo", timeout=20) as (ddp, info):
+            value = torch.tensor([float(info.rank + 1)])
+            dist.all_reduce(value)
+            if value.item() != 3.0:
+                raise RuntimeError(f"all_reduce: expected 3.0, got {value.item()}")
+            ddp(torch.randn(2, 3)).sum().backward()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins to one core (Linux)")
+def test_repeated_sessions_in_one_process_never_hang() -> None:
+    # A fresh store per session let a rank that finished its first session early meet rank 0
+    # on the first session's store: 20 sessions hung (here: timed out) at once, both times.
+    run_workers(_sessions_worker, 2)
