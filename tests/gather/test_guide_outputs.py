@@ -210,6 +210,8 @@ _GUIDE_OUTPUTS: dict[str, Callable[[torch.Tensor], Any]] = {
     "output[1][0]": lambda x: nn.LSTM(4, 3, batch_first=True)(x.unsqueeze(1)),
     "output.logits": lambda x: SequenceClassifierOutput(logits=x * 2),
     "output['logits']": lambda x: SequenceClassifierOutput(logits=x * 2),
+    "output['loss']": lambda x: {"loss": x.square().mean(), "y": x},
+    "output['total']": lambda x: {"y": x, "total": 5},
 }
 
 

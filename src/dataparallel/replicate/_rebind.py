@@ -8,25 +8,24 @@ accelerate's ``functools.partial(new_forward, module)``), hooks that are bound m
 list or dict. BatchNorm then counts every chunk on the module, and a captured feature map is
 whichever replica wrote last.
 
-:func:`rebind` makes the replica's version of such a value: a bound method of a tree module
-is bound to that module's replica; a ``functools.partial``, a closure (its cells and defaults)
-and a tuple, list or dict that hold one are rebuilt around the rebound values (new cells only
-where they held a tree module; the other cells stay shared). Containers are copied only when
-they hold something rebound, so a list of numbers stays shared with the module, as any
-mutable attribute is. The user's objects are never written.
+``_copy.rebind`` makes the replica's version of such a value: every holder on the way to a
+module of the tree (containers, objects of the user's own, closures, partials, bound methods,
+the module-level names a function reads) is rebuilt around the replica's modules, at any
+depth; what leads nowhere stays shared. Here is what is rebound per module (:class:`Rebinding`:
+the entries of each ``__dict__``, the class's ``forward`` when it reads a module-level name
+that leads to the tree, the holders copied, to see a later write to them), and how a replica's
+new ``__dict__`` gets it (:func:`rebind_state`). The user's objects are never written.
 
-What cannot be rebound (an object of the user's own class that holds the module, a value
-nested deeper than :data:`MAX_DEPTH`) but still leads to a module of the tree, in a hook or an
-instance ``forward``, is found by :func:`reaches`: the replica set then warns once and marks
-its replicas (:data:`SERIAL`), and ``parallel_apply`` runs them one after another on the
-calling thread, so that code never runs on the user's module from two threads at once.
+What cannot be rebound (an object without a ``__dict__``, a copy that fails, a function that
+assigns a global, a value past :data:`MAX_DEPTH`) but still leads to a module of the tree, in a
+hook, an instance ``forward`` or an attribute, is found by :func:`reaches`: the replica set
+then warns once and marks its replicas (:data:`SERIAL`), and ``parallel_apply`` runs them one
+after another on the calling thread, so that code never runs on the user's module from two
+threads at once.
 """
 
 from __future__ import annotations
 
-import copy
-import dis
-import functools
 import gc
 import operator
 import types
@@ -40,6 +39,15 @@ from torch import nn
 
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import filled
+from dataparallel.replicate._copy import (
+    ATOMS,
+    MAX_DEPTH,
+    Mapping,
+    Pass,
+    contents,
+    global_names,
+    rebind,
+)
 
 __all__ = [
     "HOOKS_SEEN",
@@ -54,11 +62,6 @@ __all__ = [
     "replica_zero_grad",
     "serial_mark",
 ]
-
-# How deep, and through how many objects, a value is searched for something to rebind. Past
-# either, a value is left as it is (and announced by ``reaches`` if it leads back).
-MAX_DEPTH = 32
-MAX_VISITS = 20_000
 
 # The key a replica's __dict__ holds when its set must run one replica at a time (the value
 # says why); read by parallel_apply.
@@ -84,15 +87,6 @@ REBOUND_TABLES = (
 # tables a fill replaces or that hold no user code, flags); the hook tables of
 # :data:`REBOUND_TABLES` are searched hook by hook, apart.
 _SKIPPED = frozenset(nn.Module().__dict__) - {"training"}
-# Types that never hold anything to rebind (most attributes): skipped by one set lookup.
-_ATOMS = frozenset(
-    (bool, int, float, complex, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.dtype)
-)
-# Never looked into: classes and modules live as long as the program; a tensor (of a
-# subclass too) is data, not a holder.
-_OPAQUE = (type, types.ModuleType, torch.Tensor, types.BuiltinFunctionType, types.CodeType)
-
-Mapping = dict[int, Any]  # id of a tree module -> what to bind in its place
 
 # What the search binds in place of a tree module: anything that is no module of the tree.
 _PROBE = object()
@@ -133,7 +127,7 @@ class Rebinding:
         tree = set(probe)
         for i in indices:
             d = modules[i].__dict__
-            search = _Pass(probe)
+            search = Pass(probe)
             keys = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
@@ -147,11 +141,11 @@ class Rebinding:
             else:
                 self.serial[i] = found
 
-    def mapping(self, modules: list[nn.Module], objects: list[nn.Module]) -> _Pass:
+    def mapping(self, modules: list[nn.Module], objects: list[nn.Module]) -> Pass:
         """A pass that binds each module of the tree to ``objects``, its replicas on one
         device (in the same preorder): one per replica, so what two modules share stays
         shared."""
-        return _Pass(dict(zip(map(id, modules), objects, strict=True)))
+        return Pass(dict(zip(map(id, modules), objects, strict=True)))
 
     def same(self) -> bool:
         """Whether every holder the replicas copied still holds what it held (identities)."""
@@ -210,247 +204,11 @@ def _unbound(d: dict[str, Any], probe: Mapping, tree: set[int]) -> tuple[str, An
             if reaches(rebind(hook, probe), tree):
                 return name, hook
     for name, value in d.items():
-        if type(value) in _ATOMS or name in _SKIPPED or name == "forward":
+        if type(value) in ATOMS or name in _SKIPPED or name == "forward":
             continue
         if reaches(rebind(value, probe), tree):
             return name, value
     return None
-
-
-def rebind(value: Any, mapping: Mapping) -> Any:
-    """``value`` with every tree module in ``mapping`` (by id) replaced by its replica, where
-    it is bound or held as described in the module docstring; ``value`` itself when nothing in
-    it changes."""
-    return _Pass(mapping).rebind(value, 0)
-
-
-class _Pass:
-    """One rebinding of a value: the mapping, a memo (each object is rebuilt once, so shared
-    holders stay shared and cycles end), and a budget of objects looked into.
-
-    ``copied`` lists each source object that was rebuilt, with what it held when it was read
-    (:func:`contents`): a write to it later (an item set, an append) is a change the replicas
-    must see, and the check compares exactly these.
-    """
-
-    __slots__ = ("copied", "mapping", "memo", "visits")
-
-    def __init__(self, mapping: Mapping) -> None:
-        self.mapping = mapping
-        self.memo: dict[int, Any] = {}
-        self.copied: list[tuple[Any, list[Any]]] = []
-        self.visits = 0
-
-    def rebind(self, value: Any, depth: int) -> Any:
-        kind = type(value)
-        if kind in _ATOMS:
-            return value
-        if kind is types.MethodType:
-            target = self.mapping.get(id(value.__self__))
-            owner = target if target is not None else self.rebind(value.__self__, depth + 1)
-            # the function too: a lambda installed as a method may close over a bound method
-            # of the module (``orig = m.forward``, the common monkey-patch)
-            func = self.rebind(value.__func__, depth + 1)
-            if owner is value.__self__ and func is value.__func__:
-                return value
-            return types.MethodType(func, owner)
-        if isinstance(value, nn.Module):
-            return self.mapping.get(id(value), value)
-        if depth >= MAX_DEPTH or self.visits >= MAX_VISITS or isinstance(value, _OPAQUE):
-            return value
-        key = id(value)
-        if key in self.memo:
-            return self.memo[key]
-        self.memo[key] = value  # a cycle back to this value keeps it as it is
-        self.visits += 1
-        try:
-            result = self._rebuild(value, kind, depth + 1)
-        except Exception:  # an object copy cannot make: left as it is (``reaches`` decides)
-            result = value
-        if result is not value:
-            self.copied.append((value, contents(value)))
-        self.memo[key] = result
-        return result
-
-    def _rebuild(self, value: Any, kind: type, deeper: int) -> Any:
-        rebind = self.rebind
-        if kind is tuple or kind is list:
-            if _ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
-                return value
-            items = [rebind(v, deeper) for v in value]
-            if all(map(operator.is_, items, value)):
-                return value
-            return kind(items)
-        if kind is dict:
-            new = {k: rebind(v, deeper) for k, v in value.items()}
-            return value if all(new[k] is v for k, v in value.items()) else new
-        if isinstance(value, functools.partial):
-            return self._partial(value, deeper)
-        if kind is types.FunctionType:
-            return self._function(value, deeper)
-        if isinstance(value, tuple):  # a namedtuple, or another tuple of the user's
-            items = [rebind(v, deeper) for v in value]
-            if all(map(operator.is_, items, value)):
-                return value
-            make = getattr(kind, "_make", None)
-            return make(items) if make is not None else kind(items)
-        if isinstance(value, dict):  # OrderedDict, defaultdict, a dict of the user's
-            entries = {k: rebind(v, deeper) for k, v in value.items()}
-            if all(entries[k] is v for k, v in value.items()):
-                return value
-            new = copy.copy(value)
-            new.clear()
-            new.update(entries)
-            return new
-        if isinstance(value, list):
-            items = [rebind(v, deeper) for v in value]
-            if all(map(operator.is_, items, value)):
-                return value
-            copied: list[Any] = copy.copy(value)
-            copied[:] = items
-            return copied
-        state = getattr(value, "__dict__", None)
-        if type(state) is not dict:  # no state of its own to rebind (slots, C objects)
-            return value
-        # An object of the user's own (a dataclass, a SimpleNamespace, any class): a shallow
-        # copy, as copy.copy makes it, whose attributes are rebound.
-        entries = {k: rebind(v, deeper) for k, v in state.items()}
-        changed = {k: v for k, v in entries.items() if v is not state[k]}
-        if not changed:
-            return value
-        new = copy.copy(value)
-        if type(getattr(new, "__dict__", None)) is not dict or new is value:
-            return value
-        new.__dict__.update(changed)
-        return new
-
-    def _partial(self, value: functools.partial[Any], deeper: int) -> Any:
-        rebind = self.rebind
-        func = rebind(value.func, deeper)
-        args = [rebind(a, deeper) for a in value.args]
-        keywords = {k: rebind(v, deeper) for k, v in value.keywords.items()}
-        extra = {k: rebind(v, deeper) for k, v in value.__dict__.items()}
-        if (
-            func is value.func
-            and all(map(operator.is_, args, value.args))
-            and all(keywords[k] is v for k, v in value.keywords.items())
-            and all(extra[k] is v for k, v in value.__dict__.items())
-        ):
-            return value
-        new = type(value)(func, *args, **keywords)
-        new.__dict__.update(extra)  # functools.update_wrapper's __wrapped__, __name__, ...
-        return new
-
-    def _function(self, value: types.FunctionType, deeper: int) -> Any:
-        rebind = self.rebind
-        cells = value.__closure__ or ()
-        new_cells = list(cells)
-        changed = False
-        for i, cell in enumerate(cells):
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell (a name not assigned yet)
-                continue
-            rebound = rebind(held, deeper)
-            if rebound is not held:
-                new_cells[i] = types.CellType(rebound)
-                changed = True
-        defaults = value.__defaults__
-        if defaults:
-            new_defaults = tuple(rebind(d, deeper) for d in defaults)
-            changed = changed or not all(map(operator.is_, new_defaults, defaults))
-            defaults = new_defaults
-        kwdefaults = value.__kwdefaults__
-        if kwdefaults:
-            new_kw = {k: rebind(v, deeper) for k, v in kwdefaults.items()}
-            changed = changed or any(new_kw[k] is not v for k, v in kwdefaults.items())
-            kwdefaults = new_kw
-        # Module-level names the code reads (``model`` in a hook of the user's script): the
-        # replica's function reads the rebound ones from an overlay, every other name from the
-        # script's own globals, live. A function that assigns a global keeps its globals (a
-        # copy would lose the write); ``reaches`` then finds its way back to the tree.
-        globals_ = value.__globals__
-        overlay: dict[str, Any] = {}
-        reads, writes = global_names(value.__code__)
-        if not writes:
-            for name in reads:
-                held = globals_.get(name, _ABSENT)
-                if held is _ABSENT:
-                    continue
-                rebound = rebind(held, deeper)
-                if rebound is not held:
-                    overlay[name] = rebound
-        if overlay:
-            globals_ = _Globals(overlay, value.__globals__)
-            changed = True
-        if not changed:
-            return value
-        fn = types.FunctionType(
-            value.__code__, globals_, value.__name__, defaults, tuple(new_cells)
-        )
-        fn.__kwdefaults__ = kwdefaults
-        fn.__qualname__ = value.__qualname__
-        fn.__doc__ = value.__doc__
-        fn.__module__ = value.__module__
-        fn.__dict__.update(value.__dict__)
-        return fn
-
-
-_ABSENT = object()
-
-
-class _Globals(dict[str, Any]):
-    """A replica function's globals: the rebound names, and every other name read live from
-    the script's own globals (``__missing__``), so a later assignment there is seen."""
-
-    def __init__(self, overlay: dict[str, Any], base: dict[str, Any]) -> None:
-        super().__init__(overlay)
-        self.base = base
-
-    def __missing__(self, key: str) -> Any:
-        return self.base[key]
-
-
-@functools.lru_cache(maxsize=4096)
-def global_names(code: types.CodeType) -> tuple[frozenset[str], bool]:
-    """The module-level names a code object (and the functions, lambdas and comprehensions it
-    defines) reads, and whether any of it assigns or deletes a global."""
-    reads: set[str] = set()
-    writes = False
-    for instruction in dis.get_instructions(code):
-        if instruction.opname == "LOAD_GLOBAL":
-            reads.add(instruction.argval)
-        elif instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            writes = True
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner, inner_writes = global_names(const)
-            reads |= inner
-            writes = writes or inner_writes
-    return frozenset(reads), writes
-
-
-def contents(value: Any) -> list[Any]:
-    """What a holder holds, as identities to compare later: items, keys and values, the
-    attributes of an object, the cells and defaults of a function."""
-    if isinstance(value, dict):
-        return [*value.keys(), *value.values()]
-    if isinstance(value, (tuple, list)):
-        return list(value)
-    if isinstance(value, functools.partial):
-        return [value.func, *value.args, *value.keywords.values(), *value.__dict__.values()]
-    if isinstance(value, types.FunctionType):
-        cells = [c.cell_contents if filled(c) else _ABSENT for c in value.__closure__ or ()]
-        reads, _ = global_names(value.__code__)
-        g = value.__globals__
-        return [
-            *cells,
-            *(value.__defaults__ or ()),
-            *(value.__kwdefaults__ or {}).values(),
-            *(g.get(n, _ABSENT) for n in sorted(reads)),
-        ]
-    state = getattr(value, "__dict__", None)
-    return [*state.keys(), *state.values()] if isinstance(state, dict) else []
 
 
 # The key ``bound_keys`` gives for a class's own ``forward`` that reads a module-level name
@@ -459,21 +217,21 @@ CLASS_FORWARD = "forward of the class"
 
 
 def bound_keys(
-    d: dict[str, Any], probe: Mapping | _Pass, cls: type | None = None
+    d: dict[str, Any], probe: Mapping | Pass, cls: type | None = None
 ) -> tuple[str, ...]:
     """The entries of a module's ``__dict__`` (plain attributes, and the hook tables of
     :data:`REBOUND_TABLES`) that hold something :func:`rebind` changes, with ``probe`` any
     mapping of the tree's module ids (or a pass over one, which then records what it copied);
     :data:`CLASS_FORWARD` when the class's ``forward`` reads a module-level name that leads to
     the tree. Searched once per module per refill; most modules have none."""
-    search = probe if isinstance(probe, _Pass) else _Pass(probe)
+    search = probe if isinstance(probe, Pass) else Pass(probe)
     found: list[str] = []
     if cls is not None and "forward" not in d:
         forward = getattr(cls, "forward", None)
         if type(forward) is types.FunctionType and search.rebind(forward, 0) is not forward:
             found.append(CLASS_FORWARD)
     for name, value in d.items():
-        if type(value) in _ATOMS or name in _SKIPPED:
+        if type(value) in ATOMS or name in _SKIPPED:
             continue
         if search.rebind(value, 0) is not value:
             found.append(name)
@@ -485,7 +243,7 @@ def bound_keys(
 
 
 def rebind_state(
-    d: dict[str, Any], keys: tuple[str, ...], search: _Pass, replica: nn.Module
+    d: dict[str, Any], keys: tuple[str, ...], search: Pass, replica: nn.Module
 ) -> None:
     """Rebind the entries ``keys`` of a replica's new ``__dict__`` ``d`` in ``search`` (a pass
     over one replica's mapping: a holder shared by two modules stays one holder on the
