@@ -20,7 +20,7 @@ import dataparallel as dp
 
 from ._models import tiny_gpt2, tiny_llama
 from ._oracle import LAYOUTS, compare
-from .test_trainers import STEPS, _LMRows, _restore_environment, _weights_equal
+from .test_trainers import STEPS, _LMRows, _restore_environment, _weights_equal, lm_arguments
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -31,24 +31,7 @@ RTOL = 1e-5
 
 def _run(model: nn.Module, out: Path, batch: int, **overrides: Any) -> dict[str, Any]:
     """train, evaluate and predict, all at defaults but for ``overrides``."""
-    settings: dict[str, Any] = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=batch,
-        per_device_eval_batch_size=batch,
-        max_steps=STEPS,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        label_names=["labels"],  # a wrapper's class names none (see the guide)
-        use_cpu=True,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-    )
-    args = transformers.TrainingArguments(**{**settings, **overrides})
+    args = lm_arguments(out, batch, **overrides)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=_LMRows(2 * batch), eval_dataset=_LMRows(batch + 2)
     )

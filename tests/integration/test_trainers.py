@@ -318,10 +318,10 @@ def test_trainer_token_loss_with_num_items_in_batch(
     _weights_equal(ref_model, model, f"Trainer gpt2 num_items_in_batch {devices}")
 
 
-def _lm_run(model: nn.Module, out: Path, batch: int, *, use_cpu: bool = True) -> dict[str, Any]:
-    """Trainer on a causal LM with padded labels: train, evaluate, predict, all at defaults
-    (on the CPU, or on cuda:0 where ``use_cpu`` is false)."""
-    args = transformers.TrainingArguments(
+def lm_arguments(out: Path, batch: int, **overrides: Any) -> Any:
+    """The TrainingArguments of the causal-LM runs: SGD at a constant rate, one log line per
+    step, nothing saved, on the CPU; ``overrides`` replace any of them."""
+    settings: dict[str, Any] = dict(
         output_dir=str(out),
         per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch,
@@ -331,13 +331,20 @@ def _lm_run(model: nn.Module, out: Path, batch: int, *, use_cpu: bool = True) ->
         lr_scheduler_type="constant",
         weight_decay=0.0,
         label_names=["labels"],  # a wrapper's class names none (see the README)
-        use_cpu=use_cpu,
+        use_cpu=True,
         save_strategy="no",
         report_to=[],
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
     )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _lm_run(model: nn.Module, out: Path, batch: int, *, use_cpu: bool = True) -> dict[str, Any]:
+    """Trainer on a causal LM with padded labels: train, evaluate, predict, all at defaults
+    (on the CPU, or on cuda:0 where ``use_cpu`` is false)."""
+    args = lm_arguments(out, batch, use_cpu=use_cpu)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=_LMRows(2 * batch), eval_dataset=_LMRows(batch + 2)
     )
