@@ -690,7 +690,7 @@ def test_docstring_examples_run() -> None:
 
 
 def test_concat_batched_equals_gather_or_declines() -> None:
-    from dataparallel.gather._gather import _concat_batched as concat_batched
+    from dataparallel.gather import concat_batched
 
     cpu = torch.device("cpu")
     parts = [torch.randn(2, 3), torch.randn(3, 3)]

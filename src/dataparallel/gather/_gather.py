@@ -44,9 +44,17 @@ from dataparallel.gather._outputs import (
 )
 from dataparallel.gather._walk import walk
 
-__all__ = ["ScalarMode", "check_scalars", "first_batch_size", "gather", "gather_outputs"]
+__all__ = [
+    "ScalarMode",
+    "check_scalars",
+    "concat_batched",
+    "first_batch_size",
+    "gather",
+    "gather_outputs",
+]
 
 ScalarMode = Literal["mean", "sum", "stack"]
+_CPU = torch.device("cpu")  # equal only to device(type='cpu'), a CPU tensor's device
 _SCALAR_MODES = ("mean", "sum", "stack")
 
 
@@ -233,7 +241,7 @@ def gather_outputs(
             found = [first_batch_size(v, dim) for v in outputs]
             sizes = None if None in found else tuple(found)  # type: ignore[arg-type]
         elif not output_rules:
-            out = _concat_batched(outputs, target, dim, sizes)
+            out = concat_batched(outputs, target, dim, sizes)
             if out is not None:
                 return out
         weights = (
@@ -275,13 +283,16 @@ def _too_deep() -> ValueError:
     )
 
 
-def _concat_batched(
+def concat_batched(
     outputs: Sequence[Any], target: torch.device, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor | None:
     """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor
     whose size along ``dim`` is its chunk's (rule 1: concatenated on ``target``), for arguments
     already checked; ``None`` when another rule may apply (the caller then calls ``gather``)."""
     moves = False
+    # A CPU tensor's device is the plain CPU device: read is_cpu (a flag) rather than build a
+    # device object per output to compare.
+    plain_cpu = target == _CPU
     for v, size in zip(outputs, sizes, strict=True):
         if type(v) is not torch.Tensor:
             return None
@@ -291,7 +302,8 @@ def _concat_batched(
             return None
         if dim == 0 and ndim == 3 and shape[1] == size:
             return None  # an RNN state's shape too: gather's rule decides
-        moves = moves or v.device != target
+        if not moves:
+            moves = not v.is_cpu if plain_cpu else v.device != target
     try:
         if moves:
             return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)

@@ -23,10 +23,13 @@ from dataparallel.parallel_apply._apply import (
     parallel_apply,
     wait_for,
 )
+from dataparallel.parallel_apply._reuse import TaskSlots, apply_kept
 from dataparallel.parallel_apply._syncbn import batchnorm_note, sync_call
 from dataparallel.parallel_apply._task import describe_inputs
 
 __all__ = [
+    "TaskSlots",
+    "apply_kept",
     "apply_replicas",
     "as_arguments",
     "batchnorm_note",

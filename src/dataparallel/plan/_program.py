@@ -213,6 +213,10 @@ class Plan:
     # A reused plan's way to its rows: ``remake(inputs, kwargs)`` plans the same call afresh,
     # only when they are read.
     remake: Callable[[Any, Mapping[str, Any]], Plan] | None = field(default=None, repr=False)
+    # A kept plan's memo, shared by every plan bound from it (``bind`` copies the reference):
+    # what a caller makes once per kept plan (``DataParallel``'s warm step). ``None`` in a plan
+    # made for one call.
+    memo: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def entries(self) -> list[Entry]:
@@ -243,7 +247,7 @@ class Plan:
         (it must not keep a batch alive). ``remake(inputs, kwargs)`` plans a call afresh, for
         the rows of a plan bound to it."""
         new = self.bind(None, None)  # type: ignore[arg-type]
-        new.leaf_rules, new.remake = None, remake
+        new.leaf_rules, new.remake, new.memo = None, remake, {}
         new.__dict__.pop("_entries", None)
         return new
 

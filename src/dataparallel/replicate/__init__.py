@@ -191,6 +191,16 @@ class ReplicaSets:
             self.module, self.sets = module, {}
         return _replicas_of(self.sets, module, resolved, _always)
 
+    def kept(self, module: nn.Module, devices: _Devices) -> list[nn.Module] | None:
+        """The replicas kept for ``devices`` (resolved, as ``replicate`` keys them), in line
+        with ``module`` now: what :meth:`replicate` returns on a warm call, without resolving
+        the devices again. ``None`` when none are kept for them, or the module's structure
+        changed: :meth:`replicate` then builds them."""
+        if self.shared or module is not self.module:
+            return None
+        entry = self.sets.get(devices)
+        return None if entry is None else entry.current_replicas(module)
+
 
 def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:
     """Replicas built from scratch, bypassing the cache (torch's cost model).

@@ -230,8 +230,13 @@ class Replicas(TensorSync):
         """``_sync`` for a module not written since the last call (the snapshot says so).
 
         Only what changes without a write is brought in line: parameter copies on other
-        devices and private buffer copies (values, or new tensors with grad enabled).
+        devices and private buffer copies (values, or new tensors with grad enabled). A set
+        whose replicas share every parameter and hold no buffer (every CPU list of a model
+        without buffers) has nothing of the kind: its replicas were installed with the
+        parameters themselves, which a write past the snapshot's notice cannot replace.
         """
+        if not self.targets and not self.buffers:
+            return self._roots(root)
         per_device = self._sync_params()
         self._sync_buffers(self.current)
         self._install(root, per_device)

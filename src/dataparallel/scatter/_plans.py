@@ -236,6 +236,20 @@ class PlanCache:
         options: Mapping[str, Any],
     ) -> Plan:
         """The plan ``build_plan(inputs, kwargs, devices, dim, **options)`` would make."""
+        plan = self.find(inputs, kwargs, devices, dim, options)
+        return plan if plan.memo is None else plan.bind(inputs, kwargs)
+
+    def find(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        devices: list[torch.device],
+        dim: int,
+        options: Mapping[str, Any],
+    ) -> Plan:
+        """The kept template for this call's signature (its ``memo`` is a dict; bind it to the
+        call's arguments to run it), or, when none is kept, the plan built for this call (its
+        ``memo`` is ``None``), kept for the next calls where it can be."""
         frozen = _freeze(options)
         key = None
         if frozen is not None:
@@ -246,7 +260,7 @@ class PlanCache:
                 try:
                     for kept, template in self.plans:
                         if kept == key:
-                            return template.bind(inputs, kwargs)
+                            return template
                 except Exception:  # a key that cannot be compared (a dict keyed by a tensor)
                     key = None
         plan = build_plan(inputs, kwargs, devices, dim, **options)

@@ -60,6 +60,7 @@ from dataparallel.wrapper._read_through import names_of, owns, read_through
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
+from dataparallel.wrapper._warm import warm_call, warm_step
 from dataparallel.wrapper._waves import (
     Overrides,
     apply_wave,
@@ -336,7 +337,20 @@ class DataParallel(nn.DataParallel):
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
     ) -> Any:
         steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
-        plan = self._plan(inputs, kwargs)
+        found = self._plan(inputs, kwargs)
+        module: nn.Module = self._modules["module"]  # type: ignore[assignment]
+        if (
+            found.memo is not None  # a kept plan: the call a loop repeats
+            and method is None
+            and not any(steps)
+            and self.scalar_weights is None
+            and self.__dict__.get("compile_options") is None
+            and "replicate" not in self.__dict__
+        ):
+            warm = warm_step(found, inputs, kwargs)
+            if warm is not None and find_count(module, inputs, kwargs) is None:
+                return warm_call(self, warm, found, module, inputs, kwargs, steps)
+        plan = found if found.memo is None else found.bind(inputs, kwargs)
         slices = plan.slices
         if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:
             warn_unbatched(self, plan, len(self.device_ids), inputs, kwargs)  # nothing split
@@ -356,7 +370,6 @@ class DataParallel(nn.DataParallel):
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         weights: list[float] = []
         # num_items_in_batch: each replica receives the whole count, marked (_partial_sums)
-        module = cast(nn.Module, self._modules["module"])
         slot = None if method is not None else find_count(module, inputs, kwargs)
         count = None if slot is None else CountRecord()
         # What each output's replica received, for gather to tell a buffer or input passed
@@ -403,11 +416,12 @@ class DataParallel(nn.DataParallel):
         return steps
 
     def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        """The last plan, reused while the arguments' signature, devices and options hold."""
+        """The kept plan for the arguments' signature, devices and options (a template: bind
+        it to run it), or the plan built for this call (``PlanCache.find``)."""
         plans: PlanCache | None = self.__dict__.get("_plans")
         if plans is None:  # made lazily: a wrapper unpickled from an older version has none
             plans = self.__dict__["_plans"] = PlanCache()
-        plan = plans.get(inputs, kwargs, self.device_ids, self.dim, self.options)
+        plan = plans.find(inputs, kwargs, self.device_ids, self.dim, self.options)
         if plan.warnings:
             self._warn_once(plan)
         return plan

@@ -41,9 +41,12 @@ __all__ = [
 # that pickles as this name: kept, so those load.)
 DEFAULT_SCALARS = "mean"
 
-# forward function -> the position of COUNT_KEYWORD among its positional parameters (or -1);
-# weak, so a forward function (and what its closure holds) is never kept alive by this table
-_POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# id of a forward function -> (a weak reference to it, the position of COUNT_KEYWORD among its
+# positional parameters or -1): weak, so a forward function (and what its closure holds) is
+# never kept alive by this table; keyed by id, so a lookup makes no weak reference (a
+# WeakKeyDictionary makes one per call). An id reused by a new function fails the identity check.
+_POSITIONS: dict[int, tuple[weakref.ref[Any], int]] = {}
+_MAX_POSITIONS = 4096
 
 
 def count_position(module: nn.Module) -> int | None:
@@ -59,7 +62,8 @@ def count_position(module: nn.Module) -> int | None:
     """
     forward = module.forward
     key = getattr(forward, "__func__", forward)
-    found = _POSITIONS.get(key)
+    kept = _POSITIONS.get(id(key))
+    found = kept[1] if kept is not None and kept[0]() is key else None
     if found is None:
         found = -1
         try:
@@ -70,8 +74,10 @@ def count_position(module: nn.Module) -> int | None:
         for i, p in enumerate(positional):
             if p.name == COUNT_KEYWORD:
                 found = i
+        if len(_POSITIONS) >= _MAX_POSITIONS:
+            _POSITIONS.clear()
         with contextlib.suppress(TypeError):  # a callable that takes no weak reference
-            _POSITIONS[key] = found
+            _POSITIONS[id(key)] = (weakref.ref(key), found)
     return None if found < 0 else found
 
 

@@ -105,7 +105,9 @@ class LastCall:
         last = getattr(calls, "last", None)
         if type(last) is Load:  # a call records its load; the stats are made when read
             names = [str(d) for d in last.devices]
-            last = calls.last = CallStats(names, last.chunk_sizes, last.timers, last.waves)
+            # (a copy of the sizes: a warm call records its step's own list)
+            sizes = list(last.chunk_sizes)
+            last = calls.last = CallStats(names, sizes, last.timers, last.waves)
         return last
 
     def __set__(self, wrapper: Any, value: CallStats | None) -> None:

@@ -1,0 +1,107 @@
+"""The warm call: one cached step per kept plan, for the call a training loop repeats.
+
+``DataParallel._pipeline`` serves every call: waves, overrides, counts, compiled replicas, step
+methods. The call most loops make on every step has none of them: plain tensors, split over
+the same devices in the same sizes, through the built-in steps. For it, a ``WarmStep`` is made
+once per kept plan (stored in the plan's ``memo``, shared by every call bound to that plan) and
+holds what the general path works out on every call:
+
+- the chunks: ``scatter.WaveCut`` cuts each tensor into every chunk at once;
+- the replicas: the resolved device tuple of the wrapper's replica set, so the check reads the
+  kept set directly (``ReplicaSets.kept``; the check itself is the same, complete one);
+- the hand-off: the replicas' tasks, kept and refilled (``parallel_apply.TaskSlots``), with
+  the caller's thread state checked on every call and anything unusual sent to the general
+  ``apply_replicas``;
+- the gather: plain tensor outputs are concatenated with the plan's sizes; what each replica
+  received (``Origins``, for scalars) is put together only when another rule is needed.
+
+Every step computes what the general path computes (the suite runs both on the same calls);
+only the bookkeeping is done once instead of per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataparallel.gather import Origins, concat_batched
+from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, sync_call
+from dataparallel.plan import Plan
+from dataparallel.replicate import ReplicaSets, serial_mark
+from dataparallel.scatter import WaveCut
+from dataparallel.wrapper._placement import copy_writes_back
+from dataparallel.wrapper._results import DeviceOutputs, Load, record
+from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicate_wave
+
+__all__ = ["WarmStep", "warm_call", "warm_step"]
+
+_WARM = "warm"  # the memo's key
+
+
+class WarmStep:
+    """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
+
+    __slots__ = ("cut", "devices", "resolved", "sizes", "tasks")
+
+    def __init__(self, cut: WaveCut) -> None:
+        self.cut = cut
+        self.devices: list[torch.device] = cut.devices
+        self.sizes: list[int] = cut.sizes
+        self.resolved = tuple(cut.devices)  # the replica sets' key for these devices
+        self.tasks = TaskSlots(cut.devices)
+
+
+def warm_step(plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> WarmStep | None:
+    """The warm step of the kept plan ``plan`` (a template), made on first use from this call
+    of its signature; ``None`` for a plan the step cannot serve (``WaveCut.of``; one chunk)."""
+    memo = plan.memo
+    if memo is None:
+        return None
+    step: WarmStep | None
+    try:
+        step = memo[_WARM]
+    except KeyError:
+        cut = WaveCut.of(plan, inputs, kwargs)
+        step = memo[_WARM] = None if cut is None or len(cut.devices) < 2 else WarmStep(cut)
+    return step
+
+
+def warm_call(
+    w: Wrapper,
+    step: WarmStep,
+    plan: Plan,
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    steps: Overrides,
+) -> Any:
+    """``_pipeline``'s result for a call that its warm step serves: no step overridden, no
+    count, no scalar weights, no compiled replicas, one wave of plain tensors. ``plan``: the
+    kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
+    state = w.__dict__
+    args, kws = step.cut(plan, inputs, kwargs)
+    devices, sizes = step.devices, step.sizes
+    sets: ReplicaSets | None = state.get("_replica_sets")
+    replicas = None if sets is None else sets.kept(module, step.resolved)
+    if replicas is None:  # the first call, or a new structure: built as always
+        replicas = replicate_wave(w, devices, False, steps)
+    serial = serial_mark(replicas)
+    sync = sync_call(state, replicas, devices)
+    timers: list[Any] = []
+    if serial or sync is not None:
+        outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
+    else:
+        outputs = apply_kept(step.tasks, replicas, args, kws, timers)
+    if replicas[0] is not module:
+        copy_writes_back(replicas[0], module)
+    record(state, Load(devices, sizes, timers, 1))
+    if not w.gather_outputs:
+        return DeviceOutputs(outputs, devices, sizes)
+    if not state.get("output_rules"):
+        out = concat_batched(outputs, w.output_device, w.dim, sizes)
+        if out is not None:
+            return out
+    origins = Origins(replicas, plan.program, args, kws)
+    return gather_all(w, outputs, devices, sizes, [], steps, None, origins, None)
