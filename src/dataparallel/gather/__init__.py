@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataparallel.gather._counted import COUNT_KEYWORD, CountRecord, is_counted, unmark
 from dataparallel.gather._gather import (
     ScalarMode,
+    batched_part,
     check_scalars,
     concat_batched,
     first_batch_size,
@@ -38,6 +39,7 @@ __all__ = [
     "ScalarMode",
     "ScalarWeights",
     "SumAndCount",
+    "batched_part",
     "check_output_rules",
     "check_scalars",
     "chunk_weights",

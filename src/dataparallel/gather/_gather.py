@@ -46,6 +46,7 @@ from dataparallel.gather._walk import walk
 
 __all__ = [
     "ScalarMode",
+    "batched_part",
     "check_scalars",
     "concat_batched",
     "first_batch_size",
@@ -283,27 +284,43 @@ def _too_deep() -> ValueError:
     )
 
 
+def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | None:
+    """How ``v``, the output of a chunk of ``size`` samples, joins rule 1's concatenation along
+    ``dim`` on ``target``: ``None`` when it cannot (not a plain tensor of ``size`` along ``dim``,
+    or also shaped like an RNN state: gather's rules decide), else whether it must move."""
+    if type(v) is not torch.Tensor:
+        return None
+    shape = v.shape  # (read once: each read builds a torch.Size)
+    ndim = len(shape)
+    if not (-ndim <= dim < ndim and shape[dim] == size):
+        return None
+    if dim == 0 and ndim == 3 and shape[1] == size:
+        return None  # an RNN state's shape too: gather's rule decides
+    if target == _CPU:  # a CPU tensor's device is the plain CPU: a flag, not an object to build
+        return not v.is_cpu
+    return bool(v.device != target)
+
+
 def concat_batched(
-    outputs: Sequence[Any], target: torch.device, dim: int, sizes: Sequence[int]
+    outputs: Sequence[Any],
+    target: torch.device,
+    dim: int,
+    sizes: Sequence[int],
+    checked: int = 0,
+    moves: bool = False,
 ) -> torch.Tensor | None:
     """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor
     whose size along ``dim`` is its chunk's (rule 1: concatenated on ``target``), for arguments
-    already checked; ``None`` when another rule may apply (the caller then calls ``gather``)."""
-    moves = False
-    # A CPU tensor's device is the plain CPU device: read is_cpu (a flag) rather than build a
-    # device object per output to compare.
-    plain_cpu = target == _CPU
-    for v, size in zip(outputs, sizes, strict=True):
-        if type(v) is not torch.Tensor:
+    already checked; ``None`` when another rule may apply (the caller then calls ``gather``).
+
+    ``checked``: the first outputs were already found to join (``batched_part``), ``moves``
+    whether any of them must move (a warm call checks replica 0's output while the others
+    still run)."""
+    for v, size in zip(outputs[checked:], sizes[checked:], strict=True):
+        part = batched_part(v, size, dim, target)
+        if part is None:
             return None
-        shape = v.shape  # (read once: each read builds a torch.Size)
-        ndim = len(shape)
-        if not (-ndim <= dim < ndim and shape[dim] == size):
-            return None
-        if dim == 0 and ndim == 3 and shape[1] == size:
-            return None  # an RNN state's shape too: gather's rule decides
-        if not moves:
-            moves = not v.is_cpu if plain_cpu else v.device != target
+        moves = moves or part
     try:
         if moves:
             return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)

@@ -205,7 +205,7 @@ def apply_replicas(
     why = ""
     if n == 1:  # one replica: no hop is cheaper
         _execute_first(tasks[0])
-    elif getattr(_local, "in_worker", False):  # inside a worker: never wait on our own pool
+    elif _local.__dict__.get("in_worker", False):  # inside a worker: never wait on our own pool
         if syncbn is not None:
             syncbn.why = "a call nested in a replica's forward"
         for task in tasks:
@@ -323,7 +323,7 @@ def in_order(devices: Sequence[torch.device]) -> bool:
     turns instead, ``apply_replicas``: they still meet at the layers.)
     """
     return len(devices) > 1 and (
-        getattr(_local, "in_worker", False)
+        _local.__dict__.get("in_worker", False)
         or thread_state.must_run_inline()
         or (_deterministic() and _shared_generator(devices))
     )
@@ -337,7 +337,7 @@ def wait_for(lock: Any) -> None:
     plain attribute or a closure, is the same object on every replica), and waiting would hang
     for good. It is refused at once instead. Any other thread waits its turn.
     """
-    if getattr(_local, "in_worker", False):
+    if _local.__dict__.get("in_worker", False):
         raise RuntimeError(
             "DataParallel: a wrapper called from a replica's forward on a pool worker is busy "
             "with a call on another thread, expected a wrapper of its own for each replica: "

@@ -66,18 +66,29 @@ class _Worker:
                 del task  # drop the module and outputs before blocking again
 
 
+def _forget_pool() -> None:
+    """In a forked child: the tables were inherited, the threads were not (nor is the lock's
+    state known). Registered with ``os.register_at_fork``, so a lookup needs no ``getpid``."""
+    global _pool_lock, _pool_pid
+    _workers.clear()
+    _side_streams.clear()
+    _pool_lock = threading.Lock()
+    _pool_pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _worker(device: torch.device, slot: int) -> _Worker:
     """The worker of ``(device, slot)``, started on first use (afresh in a forked child)."""
-    global _pool_pid
     key = (device, slot)  # (not its name: str(device) costs more than the rest of the lookup)
     worker = _workers.get(key)
-    if worker is not None and _pool_pid == os.getpid():
+    if worker is not None:
         return worker
     with _pool_lock:
-        if _pool_pid != os.getpid():  # a forked child inherits the table but not the threads
-            _workers.clear()
-            _side_streams.clear()
-            _pool_pid = os.getpid()
+        if _pool_pid != os.getpid():  # forked where register_at_fork does not exist
+            _forget_pool()
         worker = _workers.get(key)
         if worker is None:
             worker = _workers[key] = _Worker(f"{THREAD_PREFIX}{device}-{slot}")
@@ -97,9 +108,16 @@ def _side_stream(device: torch.device, slot: int) -> Any:
 
 
 def _run_on_pool(
-    tasks: list[_Task], slots: list[int], release: Callable[[BaseException], None] | None = None
+    tasks: list[_Task],
+    slots: list[int],
+    release: Callable[[BaseException], None] | None = None,
+    between: Callable[[], None] | None = None,
 ) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
+
+    ``between`` runs on the caller's thread once replica 0 is done and before waiting for the
+    others: work on replica 0's result there is hidden behind the others, which started later
+    (their workers had to wake up).
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
     only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
@@ -120,6 +138,8 @@ def _run_on_pool(
             _worker(task.device, slot).tasks.put(task)
             submitted += 1
         _execute_first(tasks[0])
+        if between is not None:
+            between()
         for task in tasks[1:]:
             task.done.acquire()
     except BaseException as exc:

@@ -10,15 +10,17 @@ when the call returns.
 
 Reuse is for the plain case only, checked on every call in a few C calls: replicas on CPU
 devices, none marked serial, no ``nn.SyncBatchNorm`` rendezvous, no autocast, no deterministic
-algorithms, no state the workers cannot share (``_thread_state``), not inside a pool worker and
-not inside another call that is using these tasks (a forward that calls its own wrapper).
+algorithms, no state the workers cannot share (``_thread_state``) nor a default device (a
+function mode: ``apply_replicas`` replays it), not inside a pool worker and not inside
+another call that is using these tasks (a forward that calls its own wrapper). Inference mode
+is replayed here, as ``apply_replicas`` does.
 Anything else goes to ``apply_replicas``, which handles every case; an interrupted hand-off
 drops the kept tasks (their locks are in an unknown state), and the next call makes new ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +35,21 @@ from dataparallel.parallel_apply._task import _reraise, _Task
 __all__ = ["TaskSlots", "apply_kept"]
 
 _deterministic = torch.are_deterministic_algorithms_enabled
-_autocast_enabled = torch.is_autocast_enabled  # (device_type) since torch 2.4
-_must_run_inline = thread_state.must_run_inline
-_replay = thread_state.replay
+# Autocast on any device type sends the call to ``apply_replicas`` (one C call, no device name
+# to parse); a torch without it asks for the CPU's.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu")
+)
+# thread_state's C calls, bound here: the kept path inlines ``must_run_inline`` (and sends any
+# function mode, a default device included, to ``apply_replicas``), so its replay is at most
+# inference mode.
+_interpreter = thread_state._interpreter
+_dispatch_modes = thread_state._dispatch_modes
+_saved_hooks = thread_state._saved_hooks
+_function_modes = thread_state._function_modes
+_inference = thread_state._inference
 _copy_context = thread_state.copy_context
+_INFERENCE: thread_state.Replay = (torch.inference_mode,)
 _NO_ARGS: tuple[Any, ...] = ()
 _NO_KWARGS: Mapping[str, Any] = {}
 
@@ -57,6 +70,16 @@ class TaskSlots:
         self.tasks: list[_Task] | None = None
         self.busy = False
 
+    def first(self, between: Callable[[Any], None]) -> Callable[[], None]:
+        """``between`` given replica 0's result, when replica 0 succeeded."""
+
+        def call() -> None:
+            task = self.tasks[0]  # type: ignore[index]
+            if task.error is None:
+                between(task.result)
+
+        return call
+
 
 def apply_kept(
     kept: TaskSlots,
@@ -64,18 +87,23 @@ def apply_kept(
     inputs: Sequence[tuple[Any, ...]],
     kwargs_tup: Sequence[Mapping[str, Any]],
     timings: list[Any],
+    between: Callable[[Any], None] | None = None,
 ) -> list[Any]:
     """``apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)`` for replicas that
     are not marked serial and have no SyncBatchNorm rendezvous, on ``kept``'s tasks when the
     module docstring's conditions hold. ``inputs``: one tuple of positional arguments per
-    replica."""
+    replica. ``between(result)`` is given replica 0's result, when it succeeded, while the
+    other replicas may still run (on the kept tasks only)."""
     if (
         not kept.cpu
         or kept.busy
-        or getattr(_local, "in_worker", False)
-        or _must_run_inline()
+        or _local.__dict__.get("in_worker", False)
+        or _interpreter() is not None
+        or _dispatch_modes()
+        or _function_modes()
+        or _saved_hooks(False) is not None
         or _deterministic()
-        or _autocast_enabled("cpu")
+        or _any_autocast()
     ):
         return apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)
     grad = torch.is_grad_enabled()
@@ -89,7 +117,7 @@ def apply_kept(
         for task, module, args, kwargs in zip(tasks, modules, inputs, kwargs_tup, strict=True):
             task.module, task.args, task.kwargs, task.grad = module, args, kwargs, grad
             task.cancelled = task.finished = False
-    replay = _replay()
+    replay = _INFERENCE if _inference() else ()
     context = _copy_context()
     copy = len(context) > 0  # one copy per task: a context is entered by one thread at once
     for task in tasks[1:]:
@@ -97,7 +125,9 @@ def apply_kept(
         task.context = context.copy() if copy else None
     kept.busy = True
     try:
-        _run_on_pool(tasks, kept.worker_slots)
+        _run_on_pool(
+            tasks, kept.worker_slots, None, None if between is None else kept.first(between)
+        )
     except BaseException:
         kept.tasks = None  # interrupted: their locks are in an unknown state
         raise

@@ -20,6 +20,7 @@ here intervenes.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -117,7 +118,7 @@ class SyncLayers:
         """Whether these are the replica objects this table was built for."""
         roots = self.roots
         return len(roots) == len(replicas) and all(
-            ref() is r for ref, r in zip(roots, replicas, strict=True)
+            map(operator.is_, [ref() for ref in roots], replicas)
         )
 
     def call(self, devices: Sequence[torch.device]) -> SyncCall | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import operator
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -197,14 +197,21 @@ class Snapshot:
         "_modules",
         "_named",
         "_ptrs",
+        "_storage",
         "_tensors",
         "_valued",
         "_values",
         "_views",
     )
+    # (``_views``: the live views of every table's values, then of the named tables' keys, in
+    # the order of ``_values``: one flat list, read by one ``chain`` in ``same``.)
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], storage: bool = True) -> None:
         self._modules = [_ModuleState(m) for m in modules]
+        # Whether ``same`` watches each tensor's storage: a replica set whose replicas share
+        # every parameter object and copy no buffer (every CPU list of a model without
+        # buffers) sees a tensor's new data through the tensor itself.
+        self._storage = storage
         self._join()
 
     def _join(self) -> None:
@@ -216,26 +223,25 @@ class Snapshot:
         self._named = list(chain.from_iterable(s.named for s in states))
         self._lens = list(chain.from_iterable(s.lens for s in states))
         # Live views of the same dictionaries: read in ``same`` without a call per dictionary
-        # (a view shows its dictionary's values as they are now).
-        self._views = list(map(_VALUES, self._valued))
+        # (a view shows its dictionary's values, or keys, as they are now).
+        self._views: list[Iterable[Any]] = [
+            *map(_VALUES, self._valued),
+            *map(dict.keys, self._named),
+        ]
         self._values = [
             *chain.from_iterable(s.vals for s in states),
             *chain.from_iterable(s.keys for s in states),
         ]
-        self._tensors = list(chain.from_iterable(s.tensors for s in states))
+        self._tensors = (
+            list(chain.from_iterable(s.tensors for s in states)) if self._storage else []
+        )
         self._ptrs = _ptrs(self._tensors)
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot (one pass, in C)."""
         return (
             list(map(len, self._counted)) == self._lens
-            and all(
-                map(
-                    operator.is_,
-                    chain(chain.from_iterable(self._views), chain.from_iterable(self._named)),
-                    self._values,
-                )
-            )
+            and all(map(operator.is_, chain.from_iterable(self._views), self._values))
             and _ptrs(self._tensors) == self._ptrs
         )
 

@@ -191,7 +191,7 @@ class Replicas(TensorSync):
         modules = self.modules(root)
         if snapshot is None:
             replicas = self.sync_once(root)
-            self.snapshot = Snapshot(modules)
+            self.snapshot = Snapshot(modules, storage=bool(self.targets or self.buffers))
         else:
             # a module written, or a holder its replicas copied (a list of submodules)
             self.refilled = sorted({*snapshot.changed(), *self.rebinding.changed()})

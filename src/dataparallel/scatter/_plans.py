@@ -89,6 +89,14 @@ def _plain_tensors(
 ) -> tuple[Any, ...] | None:
     """The key of a call whose arguments are all plain tensors (a few attribute reads each),
     or ``None`` for any other call."""
+    if len(inputs) == 1 and not kwargs:  # one tensor: the most common call
+        a = inputs[0]
+        if type(a) is not _Tensor:
+            return None
+        try:
+            return (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
+        except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+            return None
     parts: list[Any] = []
     try:
         for a in inputs:
@@ -222,10 +230,15 @@ class PlanCache:
     (nothing kept is changed).
     """
 
-    __slots__ = ("plans",)
+    __slots__ = ("frozen", "plans", "values")
 
     def __init__(self) -> None:
         self.plans: list[tuple[tuple[Any, ...], Plan]] = []
+        # The options of the last call, as given and as frozen: while every value is an
+        # immutable one (None, a bool, an int, a dtype: no list of chunk sizes that could be
+        # changed in place), the same values freeze the same, and ``_freeze`` is skipped.
+        self.values: tuple[Any, ...] | None = None
+        self.frozen: tuple[Any, ...] | None = None
 
     def get(
         self,
@@ -250,7 +263,13 @@ class PlanCache:
         """The kept template for this call's signature (its ``memo`` is a dict; bind it to the
         call's arguments to run it), or, when none is kept, the plan built for this call (its
         ``memo`` is ``None``), kept for the next calls where it can be."""
-        frozen = _freeze(options)
+        values = tuple(options.items())
+        if values == self.values:
+            frozen = self.frozen
+        else:
+            frozen = _freeze(options)
+            immutable = frozen is not None and all(type(v) in _FROZEN for _, v in values)
+            self.values, self.frozen = (values, frozen) if immutable else (None, None)
         key = None
         if frozen is not None:
             one_device = len(devices) == 1

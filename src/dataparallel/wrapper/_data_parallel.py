@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.nn.modules.module as _torch_module
 from torch import nn
 
 from dataparallel._common.warn import warn_user
@@ -261,6 +262,31 @@ class DataParallel(nn.DataParallel):
 
     # -- the pipeline -------------------------------------------------------------------------
 
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
+        hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
+        ``forward``, past the checks torch's ``_call_impl`` makes on every call: those checks
+        cost a warm call a few µs each time. Any other call is torch's own."""
+        d = self.__dict__
+        if (
+            d.get("_compiled_call_impl") is None
+            and not (
+                d.get("_forward_hooks")
+                or d.get("_forward_pre_hooks")
+                or d.get("_backward_hooks")
+                or d.get("_backward_pre_hooks")
+            )
+            and not (
+                _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks
+                or _torch_module._global_backward_hooks
+                or _torch_module._global_backward_pre_hooks
+            )
+            and not _tracing()
+        ):
+            return self.forward(*inputs, **kwargs)
+        return nn.Module.__call__(self, *inputs, **kwargs)
+
     # inspect.signature(wrapper) and inspect.signature(wrapper.forward) name the module's
     # parameters, so signature-driven code (Trainer's column filter) sees the module's.
     __signature__ = PresentedSignature()
@@ -504,5 +530,7 @@ class DataParallel(nn.DataParallel):
             for message in plan.warnings:
                 warn_user(message)
 
+
+_tracing = torch._C._get_tracing_state
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

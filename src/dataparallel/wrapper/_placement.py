@@ -24,6 +24,8 @@ from torch import nn
 
 __all__: list[str] = []
 
+_CPU = torch.device("cpu")
+
 # Where a sentinel tensor lives: its module (held weakly), "_parameters" or "_buffers", its name.
 Sentinel = tuple["weakref.ref[nn.Module]", str, str]
 
@@ -38,10 +40,14 @@ def sentinels_hold(sentinels: list[Sentinel] | None, device: torch.device) -> bo
     """Whether the sentinels still hold tensors, all on ``device`` (then no full check)."""
     if sentinels is None:
         return False
+    cpu = device == _CPU  # (device.type builds a string on each read: not read here)
     for sentinel in sentinels:  # two at most: a loop, not a generator, on every call
         t = _sentinel_tensor(sentinel)
-        # (device.type builds a string on each read: compared only when the devices differ)
-        if t is None or not (t.device == device or (t.is_cpu and device.type == "cpu")):
+        if t is None:
+            return False
+        if cpu and t.is_cpu:  # a flag, where the device would be an object to build
+            continue
+        if not (t.device == device or (t.is_cpu and device.type == "cpu")):
             return False
     return True
 

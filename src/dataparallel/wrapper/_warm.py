@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, concat_batched
+from dataparallel.gather import Origins, batched_part, concat_batched
 from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
@@ -38,12 +38,13 @@ from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicat
 __all__ = ["WarmStep", "warm_call", "warm_step"]
 
 _WARM = "warm"  # the memo's key
+_UNSET = object()
 
 
 class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
-    __slots__ = ("cut", "devices", "resolved", "sizes", "tasks")
+    __slots__ = ("cut", "devices", "dim", "first", "resolved", "sizes", "target", "tasks")
 
     def __init__(self, cut: WaveCut) -> None:
         self.cut = cut
@@ -51,6 +52,15 @@ class WarmStep:
         self.sizes: list[int] = cut.sizes
         self.resolved = tuple(cut.devices)  # the replica sets' key for these devices
         self.tasks = TaskSlots(cut.devices)
+        # This call's gather (dim, target), and how replica 0's output joins it: set by
+        # ``check_first`` while the other replicas run, ``_UNSET`` when it did not run.
+        self.dim = 0
+        self.target = cut.devices[0]
+        self.first: Any = _UNSET
+
+    def check_first(self, result: Any) -> None:
+        """Replica 0's part of the gather, done while the other replicas still run."""
+        self.first = batched_part(result, self.sizes[0], self.dim, self.target)
 
 
 def warm_step(plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> WarmStep | None:
@@ -90,17 +100,31 @@ def warm_call(
     serial = serial_mark(replicas)
     sync = sync_call(state, replicas, devices)
     timers: list[Any] = []
+    concat = w.gather_outputs and not state.get("output_rules")  # rule 1 may apply
     if serial or sync is not None:
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
     else:
-        outputs = apply_kept(step.tasks, replicas, args, kws, timers)
+        step.first = _UNSET
+        if concat:
+            step.dim, step.target = w.dim, w.output_device
+        between = step.check_first if concat else None
+        outputs = apply_kept(step.tasks, replicas, args, kws, timers, between)
     if replicas[0] is not module:
         copy_writes_back(replicas[0], module)
     record(state, Load(devices, sizes, timers, 1))
     if not w.gather_outputs:
         return DeviceOutputs(outputs, devices, sizes)
-    if not state.get("output_rules"):
-        out = concat_batched(outputs, w.output_device, w.dim, sizes)
+    if concat:
+        first = step.first
+        if first is _UNSET:  # replica 0's output not looked at yet
+            out = concat_batched(outputs, w.output_device, w.dim, sizes)
+        else:
+            step.first = _UNSET
+            out = (
+                None
+                if first is None
+                else concat_batched(outputs, w.output_device, w.dim, sizes, 1, first)
+            )
         if out is not None:
             return out
     origins = Origins(replicas, plan.program, args, kws)
