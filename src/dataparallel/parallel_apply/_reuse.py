@@ -52,14 +52,27 @@ _copy_context = thread_state.copy_context
 _INFERENCE: thread_state.Replay = (torch.inference_mode,)
 _NO_ARGS: tuple[Any, ...] = ()
 _NO_KWARGS: Mapping[str, Any] = {}
+_NO_TIMINGS: list[Any] = []
 
 
 class TaskSlots:
     """The kept tasks of one caller (a ``DataParallel`` wrapper's warm step) on ``devices``."""
 
-    __slots__ = ("busy", "cpu", "devices", "tasks", "worker_slots")
+    __slots__ = (
+        "between",
+        "busy",
+        "check",
+        "cpu",
+        "devices",
+        "on_first",
+        "tasks",
+        "timings",
+        "worker_slots",
+    )
 
-    def __init__(self, devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self, devices: Sequence[torch.device], on_first: Callable[[Any], None] | None = None
+    ) -> None:
         self.devices = list(devices)
         self.cpu = len(devices) > 1 and all(device_type(d) == "cpu" for d in devices)
         slots: dict[torch.device, int] = {}
@@ -69,16 +82,20 @@ class TaskSlots:
             slots[device] = self.worker_slots[-1] + 1
         self.tasks: list[_Task] | None = None
         self.busy = False
+        # Given replica 0's result (when it succeeded and the call asks, ``check``) while the
+        # others may still run; ``between`` is bound once, so a call makes no function.
+        self.on_first = on_first
+        self.check = False
+        self.timings: list[Any] = []
+        self.between = self._between
 
-    def first(self, between: Callable[[Any], None]) -> Callable[[], None]:
-        """``between`` given replica 0's result, when replica 0 succeeded."""
-
-        def call() -> None:
-            task = self.tasks[0]  # type: ignore[index]
-            if task.error is None:
-                between(task.result)
-
-        return call
+    def _between(self) -> None:
+        """Replica 0's part of what follows the join, done while the others still run."""
+        task = self.tasks[0]  # type: ignore[index]
+        span = task.span
+        self.timings.append(float("nan") if span is None else span.settled())
+        if self.check and task.error is None:
+            self.on_first(task.result)  # type: ignore[misc]
 
 
 def apply_kept(
@@ -87,13 +104,13 @@ def apply_kept(
     inputs: Sequence[tuple[Any, ...]],
     kwargs_tup: Sequence[Mapping[str, Any]],
     timings: list[Any],
-    between: Callable[[Any], None] | None = None,
+    check_first: bool = False,
 ) -> list[Any]:
     """``apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)`` for replicas that
     are not marked serial and have no SyncBatchNorm rendezvous, on ``kept``'s tasks when the
     module docstring's conditions hold. ``inputs``: one tuple of positional arguments per
-    replica. ``between(result)`` is given replica 0's result, when it succeeded, while the
-    other replicas may still run (on the kept tasks only)."""
+    replica. ``check_first``: ``kept.on_first`` is given replica 0's result, when it
+    succeeded, while the other replicas may still run (on the kept tasks only)."""
     if (
         not kept.cpu
         or kept.busy
@@ -123,18 +140,19 @@ def apply_kept(
     for task in tasks[1:]:
         task.replay = replay
         task.context = context.copy() if copy else None
-    kept.busy = True
+    kept.busy, kept.check, kept.timings = True, check_first, timings
     try:
-        _run_on_pool(
-            tasks, kept.worker_slots, None, None if between is None else kept.first(between)
-        )
+        _run_on_pool(tasks, kept.worker_slots, None, kept.between)
     except BaseException:
         kept.tasks = None  # interrupted: their locks are in an unknown state
         raise
     finally:
         kept.busy = False
+        kept.timings = _NO_TIMINGS
     try:
-        for task in tasks:
+        if tasks[0].error is not None:
+            _reraise(tasks)
+        for task in tasks[1:]:  # (replica 0's timing was taken meanwhile)
             span = task.span
             timings.append(float("nan") if span is None else span.settled())
             if task.error is not None:

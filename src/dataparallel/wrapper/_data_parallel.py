@@ -284,6 +284,8 @@ class DataParallel(nn.DataParallel):
             )
             and not _tracing()
         ):
+            if type(self) is DataParallel:  # (a subclass may define its own forward)
+                return _FORWARD(self, *inputs, **kwargs)
             return self.forward(*inputs, **kwargs)
         return nn.Module.__call__(self, *inputs, **kwargs)
 
@@ -532,5 +534,8 @@ class DataParallel(nn.DataParallel):
 
 
 _tracing = torch._C._get_tracing_state
+# forward's own function: what ``type(w).forward`` is on the class (``PresentedForward``
+# gives the class the plain function), called without making a bound method per call.
+_FORWARD = DataParallel.forward
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

@@ -51,7 +51,7 @@ class WarmStep:
         self.devices: list[torch.device] = cut.devices
         self.sizes: list[int] = cut.sizes
         self.resolved = tuple(cut.devices)  # the replica sets' key for these devices
-        self.tasks = TaskSlots(cut.devices)
+        self.tasks = TaskSlots(cut.devices, self.check_first)
         # This call's gather (dim, target), and how replica 0's output joins it: set by
         # ``check_first`` while the other replicas run, ``_UNSET`` when it did not run.
         self.dim = 0
@@ -107,8 +107,7 @@ def warm_call(
         step.first = _UNSET
         if concat:
             step.dim, step.target = w.dim, w.output_device
-        between = step.check_first if concat else None
-        outputs = apply_kept(step.tasks, replicas, args, kws, timers, between)
+        outputs = apply_kept(step.tasks, replicas, args, kws, timers, concat)
     if replicas[0] is not module:
         copy_writes_back(replicas[0], module)
     record(state, Load(devices, sizes, timers, 1))
