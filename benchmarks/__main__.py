@@ -1,4 +1,5 @@
-"""``python -m benchmarks [--quick] [--out FILE]``: run the CPU set, write JSON, print a table.
+"""``python -m benchmarks [--quick] [--runs N] [--out FILE]``: run the CPU set, write JSON, print
+a table.
 
 The full set adds mmcv 1.x's scatter (where installed) and the DDP path of ``bench_ddp.py``
 (two gloo processes) to the quick set. Results go to ``--out``, by default
@@ -17,7 +18,14 @@ from typing import Any
 import torch
 
 from benchmarks.cases import FULL, QUICK, CaseFn
-from benchmarks.harness import Case, Settings, format_table, write_report
+from benchmarks.harness import (
+    Case,
+    Settings,
+    format_table,
+    machine_info,
+    merge_runs,
+    write_report,
+)
 
 __all__ = ["FULL_SETTINGS", "QUICK_SETTINGS", "main", "run", "run_quick"]
 
@@ -38,26 +46,42 @@ def run(
     name: str,
     threads: int | None = 1,
     echo: bool = True,
+    runs: int = 1,
 ) -> dict[str, Any]:
     """Run ``suite`` under ``settings``, write the JSON report to ``out``, return it.
 
     ``threads`` pins torch's intra-op threads (1 by default: on a shared machine one thread
     per contender keeps the two sides of a ratio from fighting over cores); ``None`` leaves
-    torch's default.
+    torch's default. ``runs`` > 1 runs the whole suite that many times and reports each case's
+    median run, with every run's ratio and the spread (``harness.merge_runs``), and each run's
+    load average when it began.
     """
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     start = time.perf_counter()
-    cases: list[Case] = []
+    results: list[list[Case]] = []
+    seen: list[dict[str, Any]] = []
     try:
-        for fn in suite:
-            if echo:
-                print(f"running {fn.__name__} ...", flush=True)
-            cases.extend(fn(settings))
+        for r in range(runs):
+            began = time.perf_counter()
+            load = machine_info()["load_average_1_5_15"]
+            cases: list[Case] = []
+            for fn in suite:
+                if echo:
+                    print(f"running {fn.__name__} ({r + 1}/{runs}) ...", flush=True)
+                cases.extend(fn(settings))
+            results.append(cases)
+            seen.append({"load_average_1_5_15": load, "seconds": time.perf_counter() - began})
+        cases = merge_runs(results) if runs > 1 else results[0]
         path = Path(out) if out is not None else _default_out()
         report = write_report(
-            cases, path, suite=name, settings=settings, seconds=time.perf_counter() - start
+            cases,
+            path,
+            suite=name,
+            settings=settings,
+            seconds=time.perf_counter() - start,
+            runs=seen if runs > 1 else (),
         )
     finally:
         torch.set_num_threads(before)
@@ -89,9 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run the whole set this many times; report each case's median run and the spread",
+    )
     args = parser.parse_args(argv)
     base = QUICK_SETTINGS if args.quick else FULL_SETTINGS
-    for flag, value, low in (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+    for flag, value, low in (
+        ("--repeats", args.repeats, 1),
+        ("--warmup", args.warmup, 0),
+        ("--runs", args.runs, 1),
+    ):
         if value is not None and value < low:
             parser.error(f"{flag}: expected an integer >= {low}, got {value}")
     if args.min_time is not None and not args.min_time > 0:
@@ -107,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         name="quick" if args.quick else "full",
         threads=args.threads or None,
+        runs=args.runs,
     )
     return 0
 

@@ -30,6 +30,7 @@ from torch import nn
 from benchmarks.bench_syncbn import case_syncbn
 from benchmarks.e2e import case_e2e
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
+from benchmarks.phases import case_phases
 from dataparallel.app.demo.models import Net
 from dataparallel.devices import resolve_devices
 from dataparallel.gather import gather
@@ -664,6 +665,7 @@ FULL: tuple[CaseFn, ...] = (
     *QUICK,
     case_compile,
     case_e2e,
+    case_phases,
     case_mmcv_scatter,
     case_ddp,
     case_train_ddp,

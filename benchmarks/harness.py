@@ -34,6 +34,7 @@ __all__ = [
     "compare",
     "format_table",
     "machine_info",
+    "merge_runs",
     "paired_ratio",
     "write_report",
 ]
@@ -203,6 +204,39 @@ def paired_ratio(measured: Stats, baseline: Stats) -> tuple[float, float]:
     return statistics.median(per_repeat), measured.median / baseline.median
 
 
+def merge_runs(runs: Sequence[Sequence[Case]]) -> list[Case]:
+    """One case per name from several runs of the same suite: the run whose ratio is the median
+    of the runs' ratios (for an even count, the lower middle one), with every run's ratio, their
+    median and their spread (min, max) in ``extra["runs"]``. One run on one machine is not a
+    reference: a ratio is reported with the spread that repeating the whole run gives.
+
+    >>> a = Case("x", "x", ratio=1.2); b = Case("x", "x", ratio=1.0); c = Case("x", "x", ratio=1.1)
+    >>> merged = merge_runs([[a], [b], [c]])[0]
+    >>> merged.ratio, merged.extra["runs"]["spread"]
+    (1.1, [1.0, 1.2])
+    """
+    if not runs:
+        return []
+    merged: list[Case] = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs if i < len(run) and run[i].name == first.name]
+        measured = [c for c in same if c.ratio is not None and c.skipped is None]
+        if not measured:
+            merged.append(first)
+            continue
+        ordered = sorted(measured, key=lambda c: c.ratio)  # type: ignore[arg-type,return-value]
+        middle = ordered[(len(ordered) - 1) // 2]
+        ratios = [c.ratio for c in measured]
+        case = Case(**{**vars(middle), "extra": dict(middle.extra)})
+        case.extra["runs"] = {
+            "ratios": ratios,
+            "median": middle.ratio,
+            "spread": [min(ratios), max(ratios)],  # type: ignore[type-var]
+        }
+        merged.append(case)
+    return merged
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures depend on: the machine, the software, the load when the run began."""
     try:
@@ -264,9 +298,17 @@ def format_table(cases: Sequence[Case]) -> str:
 
 
 def write_report(
-    cases: Sequence[Case], out: str | Path, *, suite: str, settings: Settings, seconds: float
+    cases: Sequence[Case],
+    out: str | Path,
+    *,
+    suite: str,
+    settings: Settings,
+    seconds: float,
+    runs: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Write the run's JSON to ``out`` (parents created) and return it."""
+    """Write the run's JSON to ``out`` (parents created) and return it. ``runs``: for a
+    reference of several runs (``merge_runs``), what each run saw (its load when it began,
+    its seconds)."""
     verdicts = [c.met for c in cases]
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -279,7 +321,9 @@ def write_report(
             "warmup": settings.warmup,
             "interleaved": True,
             "ratio": "median over repeats of measured/baseline, each pair timed back to back",
+            "runs": max(1, len(runs)),
         },
+        "runs": list(runs),
         "wall_s": seconds,
         "summary": {
             "met": verdicts.count(True),

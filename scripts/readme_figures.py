@@ -423,9 +423,14 @@ def _bench_table(bench: dict[str, Any], train_ddp: dict[str, Any] | None = None)
         measured = case["stats"][case["measured"]]["median_s"]
         baseline = case["stats"][case["baseline"]]["median_s"]
         verdict = {True: "met", False: "**missed**", None: ""}[case["met"]]
+        ratio = f"{case['ratio']:.3f}"
+        runs = case.get("extra", {}).get("runs")
+        if runs:  # a reference of several runs: the median run, and the spread of all
+            low, high = runs["spread"]
+            ratio += f" ({len(runs['ratios'])} runs: {low:.3f}–{high:.3f})"
         rows.append(
             f"| {what} | {_fmt_time(measured)} | {_fmt_time(baseline)} ({base}) | "
-            f"{case['ratio']:.3f} | {_target(case['target'])} | {verdict} |"
+            f"{ratio} | {_target(case['target'])} | {verdict} |"
         )
     names = {case["name"] for case in bench["cases"]}
     if train_ddp is not None and "train_ddp" not in names:  # measured apart from latest-cpu

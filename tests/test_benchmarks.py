@@ -17,7 +17,16 @@ import torch
 from benchmarks.__main__ import main
 from benchmarks.cases import FULL, QUICK, _by_hand, _ours, case_compile, heterogeneous_batch
 from benchmarks.e2e import Floor, case_e2e, tiny_mlp
-from benchmarks.harness import SCHEMA, Case, Settings, Stats, compare, paired_ratio
+from benchmarks.harness import (
+    SCHEMA,
+    Case,
+    Settings,
+    Stats,
+    compare,
+    merge_runs,
+    paired_ratio,
+)
+from benchmarks.phases import case_phases
 
 QUICK_NAMES = {
     "scatter_gather_hetero",
@@ -268,3 +277,73 @@ def test_full_set_times_compiled_replicas_against_eager() -> None:
     assert case.name == "dp_compile_train_step" and case.skipped is None
     assert set(case.stats) == {"compiled", "eager"} and case.baseline == "eager"
     assert case.ratio is not None and case.ratio > 0 and case.target is None
+
+
+def test_merge_runs_keeps_each_cases_median_run_with_the_spread() -> None:
+    runs = [
+        [Case("a", "t", ratio=1.3, target=1.25), Case("s", "t", skipped="no mmcv")],
+        [Case("a", "t", ratio=1.1, target=1.25), Case("s", "t", skipped="no mmcv")],
+        [Case("a", "t", ratio=1.2, target=1.25), Case("s", "t", skipped="no mmcv")],
+    ]
+    merged = merge_runs(runs)
+    assert [c.name for c in merged] == ["a", "s"]
+    a = merged[0]
+    assert a.ratio == 1.2 and a.met is True  # the median run's ratio decides the verdict
+    assert a.extra["runs"] == {"ratios": [1.3, 1.1, 1.2], "median": 1.2, "spread": [1.1, 1.3]}
+    assert runs[2][0].extra == {}  # the runs' own cases are not changed
+    assert merged[1].skipped == "no mmcv" and "runs" not in merged[1].extra
+
+
+def test_runs_flag_reports_every_run_and_refuses_zero(tmp_path: Path) -> None:
+    from benchmarks.__main__ import run
+
+    ran: list[int] = []
+
+    def case_probe(settings: Settings) -> list[Case]:
+        ran.append(1)
+        return [Case("x", "t", ratio=float(len(ran)))]  # 1.0, 2.0, 3.0: median 2.0
+
+    report = run(
+        (case_probe,),
+        Settings(repeats=1, min_block_s=1e-6, warmup=0),
+        tmp_path / "three.json",
+        name="probe",
+        echo=False,
+        runs=3,
+    )
+    assert len(ran) == 3 and report["settings"]["runs"] == 3 and len(report["runs"]) == 3
+    (case,) = report["cases"]
+    assert case["ratio"] == 2.0 and case["extra"]["runs"]["spread"] == [1.0, 3.0]
+    with pytest.raises(SystemExit) as info:
+        main(["--quick", "--runs", "0", "--out", str(tmp_path / "x.json")])
+    assert info.value.code == 2
+
+
+def test_full_set_times_the_phases_and_holds_the_cnn_to_its_target() -> None:
+    assert case_phases in FULL and case_phases not in QUICK
+    cases = case_e2e(Settings(repeats=1, min_block_s=0.001, warmup=1), replicas=(2,))
+    targets = {c.name: c.target for c in cases if c.name.endswith("_2x")}
+    assert targets == {
+        "e2e_mlp_inference_2x": 1.3,
+        "e2e_mlp_training_2x": 1.3,
+        "e2e_cnn_inference_2x": 1.05,
+        "e2e_cnn_training_2x": 1.05,
+    }
+
+
+def test_phases_time_ours_beside_the_floor_and_restore_what_they_wrap() -> None:
+    from benchmarks.phases import PHASES, measure
+
+    import dataparallel.wrapper._data_parallel as wrapper_module
+
+    before = (wrapper_module.DataParallel._plan, vars(wrapper_module.DataParallel)["__call__"])
+    found = measure("mlp", "training", repeats=1, calls=3)
+    table = found["us"]
+    for key in ("serial Python before the hand-off", "serial Python after the join"):
+        assert table[key]["ours"] > 0 and table[key]["floor"] > 0
+    for label, _, _ in PHASES:
+        assert table[label]["ours"] > 0, label  # every phase ran inside the warm calls
+    # the serial parts are parts of the call
+    assert table["serial Python before the hand-off"]["ours"] < table["whole call"]["ours"]
+    after = (wrapper_module.DataParallel._plan, vars(wrapper_module.DataParallel)["__call__"])
+    assert after == before  # the timers are gone

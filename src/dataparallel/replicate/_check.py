@@ -6,7 +6,9 @@ Two checks, one cheap and complete, one exact about structure:
   every value of every module's ``__dict__`` (plain attributes, training flags, the tables
   themselves), the contents of its parameter, buffer, child and hook tables, the names in the
   first three, and each parameter's and buffer's storage address (``p.data = t``,
-  ``b.set_(t)`` and ``torch.utils.swap_tensors`` keep the tensor object but move its data).
+  ``b.set_(t)`` and ``torch.utils.swap_tensors`` keep the tensor object but move its data;
+  compared where a replica holds a copy: a set whose replicas share every parameter object and
+  hold no buffer sees new data through the tensor itself).
   ``Snapshot.same`` compares all of it in C
   (``map(operator.is_, ...)``) on every call: any write is seen, through torch's methods or
   past them (``module._parameters[k] = p`` as loaders and ``torch.func.functional_call`` do,
