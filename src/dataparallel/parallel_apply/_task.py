@@ -125,9 +125,10 @@ def _span(device: torch.device, stream: Any) -> Span:
 
 
 def _run(task: _Task, stream: Any) -> None:
-    """The replica's forward, timed by a span when asked."""
+    """The replica's forward, timed by a span when asked (``_span``'s choice, inlined: this
+    runs once per replica per call)."""
     if task.sync:
-        task.span = _span(task.device, stream)
+        task.span = Span() if stream is None else Span(cuda_pool(task.device), stream)
     try:
         task.result = task.module(*task.args, **task.kwargs)
     finally:
@@ -137,19 +138,15 @@ def _run(task: _Task, stream: Any) -> None:
             task.stream.wait_stream(task.side)
 
 
-def _execute_here(task: _Task) -> None:
-    """Run a CPU task on the calling thread: its grad mode and autocast are the caller's own
-    already, so nothing is replayed (the cost of one replica on one device is the forward)."""
-    try:
-        _run(task, None)
-    except BaseException as exc:
-        task.error = exc
-
-
 def _execute_first(task: _Task) -> None:
-    """Run the first task on the calling thread (a CPU one without replaying any context)."""
+    """Run the first task on the calling thread. A CPU task replays nothing: its grad mode and
+    autocast are the caller's own already (the cost of one replica on one device is the
+    forward)."""
     if task.stream is None:
-        _execute_here(task)
+        try:
+            _run(task, None)
+        except BaseException as exc:
+            task.error = exc
     else:
         _execute(task)
 

@@ -69,6 +69,12 @@ def call_key(
     >>> call_key((torch.zeros(4, 2),), {}, 0, False) == call_key((torch.ones(5, 2),), {}, 0, False)
     False
     """
+    if len(inputs) == 1 and not kwargs and type(inputs[0]) is _Tensor:  # the most common call
+        a = inputs[0]
+        try:
+            return (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
+        except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+            return None
     flat = _plain_tensors(inputs, kwargs, with_device)
     if flat is not None:  # the common call, plain tensors only
         return flat
@@ -89,14 +95,6 @@ def _plain_tensors(
 ) -> tuple[Any, ...] | None:
     """The key of a call whose arguments are all plain tensors (a few attribute reads each),
     or ``None`` for any other call."""
-    if len(inputs) == 1 and not kwargs:  # one tensor: the most common call
-        a = inputs[0]
-        if type(a) is not _Tensor:
-            return None
-        try:
-            return (a.shape, a.layout, a.device) if with_device else (a.shape, a.layout)
-        except RuntimeError:  # a nested tensor has no shape to read: the rules name it
-            return None
     parts: list[Any] = []
     try:
         for a in inputs:
