@@ -13,9 +13,10 @@ Each generated sequence also counts the calls that ``warm_call`` served and asse
 is exactly the number of calls that repeat an earlier signature with two or more chunks, so
 the generator cannot silently exercise only the general path.
 
-Two cases are strict xfails, each naming the library's fault: a stale replica-0 output check
-left by a warm call whose replica raised (``WarmStep.first``), and the warning a nested
-wrapper's own runtime state causes in the outer wrapper (not specific to the warm path).
+Two cases found by this module are kept by name: a stale replica-0 output check left by a warm
+call whose replica raised (``WarmStep.first``, reset on every call since), and the warning a
+nested wrapper's own runtime state caused in the outer wrapper, which then ran its replicas one
+after another (``DataParallel._not_replicated``: replicate's search skips that state since).
 """
 
 from __future__ import annotations
@@ -975,15 +976,6 @@ class RowsFromData(nn.Module):
         return None if rows == 0 else self.bn(self.lin(x))[:rows]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "warm_call leaves WarmStep.first set when a replica raises after replica 0's output "
-        "was checked (TaskSlots.between ran); the next call on that plan that takes the "
-        "serial/SyncBatchNorm branch (apply_replicas, no check) reuses the stale flag and "
-        "concat_batched skips checking replica 0's output"
-    ),
-)
 @pytest.mark.parametrize(
     ("rows", "general_error"),
     [(2, "replica 0 returned shape"), (0, "replicas disagree on the type")],
@@ -1015,7 +1007,7 @@ def test_replica_error_leaves_no_stale_first_output_check(rows: int, general_err
     with pytest.raises(ValueError, match=general_error):
         fresh(y)
     with pytest.raises(ValueError, match=general_error):
-        w(y)  # today: a (5, OUT) tensor for rows=2, torch.cat's TypeError for rows=0
+        w(y)  # (before the fix: a (5, OUT) tensor for rows=2, torch.cat's TypeError for 0)
 
 
 class Outer(nn.Module):
@@ -1046,22 +1038,12 @@ def test_nested_wrapper_warm_calls_match_one_device() -> None:
     w, _, oracle = nested_pair()
     gen = torch.Generator().manual_seed(30)
     with count_warm() as warm, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # see the xfail test below
+        warnings.simplefilter("error")  # no warning (see the test below)
         for i in range(4):
             check_call(w, oracle, torch.randn(9, FEATURES, generator=gen), msg=f"{i}")
         assert warm[0] == 6  # outer calls 1-3, and the inner wrapper's calls 1-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "not specific to the warm path: after the inner wrapper's first call its runtime "
-        "attribute _replica_sets (which holds the inner module) is found by the outer "
-        "replicate's rebinding scan as 'leading back to the module through an object that "
-        "cannot be rebound', so the outer replicas are marked serial and a UserWarning that "
-        "names a private attribute is shown"
-    ),
-)
 def test_nested_wrapper_runtime_state_gives_no_warning() -> None:
     """A nested wrapper's own runtime state (``_replica_sets``, made by its first call) is not
     the user's: the outer wrapper's later calls warn about nothing."""

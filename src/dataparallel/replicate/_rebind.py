@@ -87,6 +87,17 @@ REBOUND_TABLES = (
 # tables a fill replaces or that hold no user code, flags); the hook tables of
 # :data:`REBOUND_TABLES` are searched hook by hook, apart.
 _SKIPPED = frozenset(nn.Module().__dict__) - {"training"}
+# A class may name the attributes its own ``_replicate_for_data_parallel`` leaves out of a
+# replica (a nested ``DataParallel``'s lock, replicas and plans): no replica holds them, so they
+# are never searched either (they lead back to the tree through the wrapper's own replicas).
+NOT_REPLICATED = "_not_replicated"
+
+
+def _skipped(cls: type | None) -> frozenset[str]:
+    """The ``__dict__`` entries of a module of class ``cls`` that are never searched."""
+    own = getattr(cls, NOT_REPLICATED, None)
+    return _SKIPPED | own if own else _SKIPPED
+
 
 # What the search binds in place of a tree module: anything that is no module of the tree.
 _PROBE = object()
@@ -135,7 +146,7 @@ class Rebinding:
             else:
                 self.keys.pop(i, None)
                 self.watched.pop(i, None)
-            found = _unbound(d, probe, tree)
+            found = _unbound(d, probe, tree, _skipped(type(modules[i])))
             if found is None:
                 self.serial.pop(i, None)
             else:
@@ -191,10 +202,13 @@ class Rebinding:
         return reason
 
 
-def _unbound(d: dict[str, Any], probe: Mapping, tree: set[int]) -> tuple[str, Any] | None:
+def _unbound(
+    d: dict[str, Any], probe: Mapping, tree: set[int], skipped: frozenset[str] = _SKIPPED
+) -> tuple[str, Any] | None:
     """The first hook, instance ``forward`` or attribute of a module's ``__dict__`` ``d`` that
     still leads to the tree once rebound (something a copy cannot make, a function that
-    assigns a global), as (table or attribute name, value)."""
+    assigns a global), as (table or attribute name, value). ``skipped``: entries never
+    searched (``_skipped``)."""
     forward = d.get("forward")
     if forward is not None and reaches(rebind(forward, probe), tree):
         return "forward", forward
@@ -204,7 +218,7 @@ def _unbound(d: dict[str, Any], probe: Mapping, tree: set[int]) -> tuple[str, An
             if reaches(rebind(hook, probe), tree):
                 return name, hook
     for name, value in d.items():
-        if type(value) in ATOMS or name in _SKIPPED or name == "forward":
+        if type(value) in ATOMS or name in skipped or name == "forward":
             continue
         if reaches(rebind(value, probe), tree):
             return name, value
@@ -226,12 +240,13 @@ def bound_keys(
     the tree. Searched once per module per refill; most modules have none."""
     search = probe if isinstance(probe, Pass) else Pass(probe)
     found: list[str] = []
+    skipped = _skipped(cls)
     if cls is not None and "forward" not in d:
         forward = getattr(cls, "forward", None)
         if type(forward) is types.FunctionType and search.rebind(forward, 0) is not forward:
             found.append(CLASS_FORWARD)
     for name, value in d.items():
-        if type(value) in ATOMS or name in _SKIPPED:
+        if type(value) in ATOMS or name in skipped:
             continue
         if search.rebind(value, 0) is not value:
             found.append(name)

@@ -141,6 +141,10 @@ class DataParallel(nn.DataParallel):
     device_ids: list[torch.device]  # type: ignore[assignment]
     output_device: torch.device  # type: ignore[assignment]
 
+    # What a replica of a module holding this wrapper does not copy (its
+    # ``_replicate_for_data_parallel`` drops it): replicate's search of the tree skips it too.
+    _not_replicated = frozenset(_RUNTIME)
+
     # The batch options, read and set as attributes (``w.max_size = 4``), kept in ``options``.
     batch_size = plan_option("batch_size")
     chunk_sizes = plan_option("chunk_sizes")

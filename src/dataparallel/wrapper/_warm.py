@@ -101,10 +101,10 @@ def warm_call(
     sync = sync_call(state, replicas, devices)
     timers: list[Any] = []
     concat = w.gather_outputs and not state.get("output_rules")  # rule 1 may apply
+    step.first = _UNSET  # (a call that failed after replica 0's check left its verdict)
     if serial or sync is not None:
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
     else:
-        step.first = _UNSET
         if concat:
             step.dim, step.target = w.dim, w.output_device
         outputs = apply_kept(step.tasks, replicas, args, kws, timers, concat)
