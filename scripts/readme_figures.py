@@ -438,6 +438,41 @@ def _bench_table(bench: dict[str, Any], train_ddp: dict[str, Any] | None = None)
     return "\n".join(rows)
 
 
+_PHASE_MODELS = {"mlp": "tiny MLP", "cnn": "tutorial CNN"}
+
+
+def _phases_table(bench: dict[str, Any]) -> str:
+    """The phase table (``benchmarks/phases.py``): µs per call of each phase of a warm
+    two-replica call, ours beside the floor's, per model and mode, from the reference run."""
+    found = {
+        tuple(c["name"].split("_")[1:3]): c["extra"]["phases_us"]  # phases_<model>_<mode>_...
+        for c in bench["cases"]
+        if c["name"].startswith("phases_")
+        and c["name"].endswith("_before_handoff")
+        and c["status"] == "ok"
+    }
+    if not found:
+        return "(no phase figures in benchmarks/results/latest-cpu.json)"
+    columns = list(found)
+    rows = [
+        "| phase | "
+        + " | ".join(f"{_PHASE_MODELS[m]}, {mode}: ours | floor" for m, mode in columns)
+        + " |",
+        "| --- |" + " --- | --- |" * len(columns),
+    ]
+    labels = list(dict.fromkeys(label for table in found.values() for label in table))
+    for label in labels:
+        cells = []
+        for key in columns:
+            sides = found[key].get(label, {})
+            cells += [
+                "-" if sides.get(side) is None else f"{sides[side]:.1f}"
+                for side in ("ours", "floor")
+            ]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def render() -> dict[str, str]:
     """Each README region's text, from the committed results."""
     one, two, bench = _load(TRAIN_DEFAULT), _load(TRAIN_2CPU), _load(BENCH)
@@ -446,6 +481,7 @@ def render() -> dict[str, str]:
         "train-output": _sample_output(one, _load(TRAIN_SEEDS)),
         "cpu-replicas": _cpu_replicas(one, two),
         "bench-table": _bench_table(bench, train_ddp),
+        "phases-table": _phases_table(bench),
     }
 
 
