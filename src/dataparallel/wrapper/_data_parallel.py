@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
-import torch.nn.modules.module as _torch_module
 from torch import nn
 
 from dataparallel._common.warn import warn_user
@@ -29,7 +28,7 @@ from dataparallel.gather import (
     chunk_weights,
     gather,
 )
-from dataparallel.parallel_apply import batchnorm_note, infer_device, parallel_apply, wait_for
+from dataparallel.parallel_apply import parallel_apply, wait_for
 from dataparallel.plan import Plan, build_plan
 from dataparallel.replicate import (
     ReplicaSets,
@@ -38,6 +37,8 @@ from dataparallel.replicate import (
     warn_compiled_wrapper,
 )
 from dataparallel.scatter import PlanCache, take
+from dataparallel.wrapper._call import direct_call
+from dataparallel.wrapper._explain import explain_call
 from dataparallel.wrapper._options import (
     CHECKED,
     check_dim,
@@ -50,10 +51,10 @@ from dataparallel.wrapper._partial_sums import (
     DEFAULT_SCALARS,
     find_count,
     mark_chunks,
-    summing_note,
 )
 from dataparallel.wrapper._placement import (
     check_on_device,
+    run_here,
     sentinels_hold,
     sentinels_of,
 )
@@ -238,7 +239,7 @@ class DataParallel(nn.DataParallel):
     def _replicate_for_data_parallel(self) -> DataParallel:
         """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
         with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
-        replica's own device (``_run_here``)."""
+        replica's own device (``_placement.run_here``)."""
         replica = super()._replicate_for_data_parallel()
         for name in _RUNTIME:
             replica.__dict__.pop(name, None)
@@ -269,25 +270,9 @@ class DataParallel(nn.DataParallel):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``_call_impl`` makes on every call: those checks
-        cost a warm call a few µs each time. Any other call is torch's own."""
-        d = self.__dict__
-        if (
-            d.get("_compiled_call_impl") is None
-            and not (
-                d.get("_forward_hooks")
-                or d.get("_forward_pre_hooks")
-                or d.get("_backward_hooks")
-                or d.get("_backward_pre_hooks")
-            )
-            and not (
-                _torch_module._global_forward_hooks
-                or _torch_module._global_forward_pre_hooks
-                or _torch_module._global_backward_hooks
-                or _torch_module._global_backward_pre_hooks
-            )
-            and not _tracing()
-        ):
+        ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
+        other call is torch's own."""
+        if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
                 return _FORWARD(self, *inputs, **kwargs)
             return self.forward(*inputs, **kwargs)
@@ -317,7 +302,7 @@ class DataParallel(nn.DataParallel):
             # threads and locks), with a warning naming compile=.
             return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
         if "_is_replica" in self.__dict__:  # a copy in another wrapper's replica
-            self._run_here(inputs, kwargs)
+            run_here(self.__dict__, cast(nn.Module, self._modules["module"]), inputs, kwargs)
         lock = self._call_lock()
         if not lock.acquire(blocking=False):
             wait_for(lock)
@@ -326,28 +311,10 @@ class DataParallel(nn.DataParallel):
             try:
                 return self._pipeline(inputs, kwargs)
             except RuntimeError:
-                self._check_module_device_fully()  # a clearer error, if a tensor was misplaced
+                check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
         finally:
             lock.release()
-
-    def _run_here(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Make this copy of a nested wrapper run its calls on its replica's own device.
-
-        A wrapper inside a wrapped module (``model.encoder = dp.DataParallel(enc)``) is
-        replicated with it. Replica 0 is the wrapper itself: its calls split replica 0's chunk
-        over its own devices. Each other replica holds a copy (``_replicate_for_data_parallel``)
-        whose module is that replica's copy, on that replica's device: the copy runs its chunk
-        there, as one device (``device_ids[0]`` may be a device the copy's tensors are not on).
-        The outer wrapper has already split the batch, so the result is one device's either way.
-        """
-        d = self.__dict__
-        if d.get("_here") is None:
-            device = infer_device(self.module, inputs, kwargs)
-            d["device_ids"] = [device]
-            d["src_device_obj"] = d["output_device"] = device
-            d["options"] = {**d["options"], "chunk_sizes": None, "weights": None}
-            d["_here"] = device
 
     # mmcv's and mmengine's step methods, where the module has them (dataparallel.wrapper._steps)
     train_step = StepMethod()
@@ -505,15 +472,8 @@ class DataParallel(nn.DataParallel):
         over the replicas. Only such a call (and the step methods) is split: a method of the
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
-        plan = build_plan(inputs, kwargs, self.device_ids, self.dim, **self.options)
-        slot = find_count(cast(nn.Module, self._modules["module"]), inputs, kwargs)
-        if slot is not None and sum(len(wave) for wave in plan.slices) > 1:
-            value = kwargs[slot] if isinstance(slot, str) else inputs[slot]
-            plan.notes.append(summing_note(value, slot))
-        note = batchnorm_note(self.module, plan.waves)
-        if note:
-            plan.notes.append(note)
-        return plan
+        module = cast(nn.Module, self._modules["module"])
+        return explain_call(module, inputs, kwargs, self.device_ids, self.dim, self.options)
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -527,9 +487,6 @@ class DataParallel(nn.DataParallel):
         check_on_device(self.module, device)
         self.__dict__["_sentinels"] = sentinels_of(self.module)
 
-    def _check_module_device_fully(self) -> None:
-        check_on_device(self.module, self.src_device_obj)
-
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:
             self._warned.add(plan.warning_key)
@@ -537,9 +494,6 @@ class DataParallel(nn.DataParallel):
                 warn_user(message)
 
 
-_tracing = torch._C._get_tracing_state
-# forward's own function: what ``type(w).forward`` is on the class (``PresentedForward``
-# gives the class the plain function), called without making a bound method per call.
-_FORWARD = DataParallel.forward
+_FORWARD = DataParallel.forward  # the plain function (``PresentedForward`` on the class)
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

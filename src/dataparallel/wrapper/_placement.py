@@ -17,10 +17,13 @@ check.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
+
+from dataparallel.parallel_apply import infer_device
 
 __all__: list[str] = []
 
@@ -159,3 +162,24 @@ def _sentinel_tensor(sentinel: Sentinel) -> torch.Tensor | None:
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters()
     yield from module.named_buffers()
+
+
+def run_here(
+    d: dict[str, Any], module: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """Make a copy of a nested wrapper (its ``__dict__`` ``d``, its ``module``) run its calls on
+    its replica's own device.
+
+    A wrapper inside a wrapped module (``model.encoder = dp.DataParallel(enc)``) is
+    replicated with it. Replica 0 is the wrapper itself: its calls split replica 0's chunk
+    over its own devices. Each other replica holds a copy (``_replicate_for_data_parallel``)
+    whose module is that replica's copy, on that replica's device: the copy runs its chunk
+    there, as one device (``device_ids[0]`` may be a device the copy's tensors are not on).
+    The outer wrapper has already split the batch, so the result is one device's either way.
+    """
+    if d.get("_here") is None:
+        device = infer_device(module, inputs, kwargs)
+        d["device_ids"] = [device]
+        d["src_device_obj"] = d["output_device"] = device
+        d["options"] = {**d["options"], "chunk_sizes": None, "weights": None}
+        d["_here"] = device

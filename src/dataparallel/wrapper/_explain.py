@@ -1,0 +1,41 @@
+"""What ``DataParallel.explain`` says of a call: its plan, with the notes only the wrapper knows.
+
+The plan (``dataparallel.plan``) says how the arguments are split. The wrapper adds what
+depends on its module: how outputs computed from ``num_items_in_batch`` are gathered, and which
+BatchNorm layers are synchronised over the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataparallel.parallel_apply import batchnorm_note
+from dataparallel.plan import Plan, build_plan
+from dataparallel.wrapper._partial_sums import find_count, summing_note
+
+__all__ = ["explain_call"]
+
+
+def explain_call(
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devices: list[torch.device],
+    dim: int,
+    options: Mapping[str, Any],
+) -> Plan:
+    """The plan of a call ``w(*inputs, **kwargs)`` of a wrapper of ``module`` on ``devices``,
+    with the count's and BatchNorm's notes; runs nothing."""
+    plan = build_plan(inputs, kwargs, devices, dim, **options)
+    slot = find_count(module, inputs, kwargs)
+    if slot is not None and sum(len(wave) for wave in plan.slices) > 1:
+        value = kwargs[slot] if isinstance(slot, str) else inputs[slot]
+        plan.notes.append(summing_note(value, slot))
+    note = batchnorm_note(module, plan.waves)
+    if note:
+        plan.notes.append(note)
+    return plan
