@@ -15,7 +15,7 @@ by ``take`` too, which names what is wrong.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,28 +123,31 @@ class WaveCut:
                 return [(move(part),) for move, part in zip(movers, parts, strict=True)], [
                     {} for _ in parts
                 ]
-        columns: list[Any] = []
-        for value, dim in zip(inputs, self.arg_dims, strict=True):
-            if dim is None:
-                columns.append([move(value) for move in movers])
-            elif value.shape[dim] == total:
-                columns.append(list(map(_call, movers, value.split_with_sizes(sizes, dim))))
-            else:
-                return self._take(plan, inputs, kwargs)
+        columns = self._columns(inputs, self.arg_dims)
+        kw_columns = self._columns([kwargs[key] for key in self.kw_keys], self.kw_dims)
+        if columns is None or kw_columns is None:  # a tensor not the plan's batch long
+            return self._take(plan, inputs, kwargs)
         args = list(zip(*columns, strict=True)) if columns else [()] * n
         if not self.kw_keys:
             return args, [{} for _ in range(n)]
-        kw_columns: list[Any] = []
-        for key, dim in zip(self.kw_keys, self.kw_dims, strict=True):
-            value = kwargs[key]
-            if dim is None:
-                kw_columns.append([move(value) for move in movers])
-            elif value.shape[dim] == total:
-                kw_columns.append(list(map(_call, movers, value.split_with_sizes(sizes, dim))))
-            else:
-                return self._take(plan, inputs, kwargs)
         keys = self.kw_keys
         return args, [dict(zip(keys, row, strict=True)) for row in zip(*kw_columns, strict=True)]
+
+    def _columns(
+        self, values: Sequence[torch.Tensor], dims: list[int | None]
+    ) -> list[list[torch.Tensor]] | None:
+        """Per value, its part for each chunk (the whole value where ``dim`` is ``None``);
+        ``None`` when a split value is not the plan's batch long."""
+        columns: list[list[torch.Tensor]] = []
+        for value, dim in zip(values, dims, strict=True):
+            if dim is None:
+                columns.append([move(value) for move in self.movers])
+            elif value.shape[dim] == self.total:
+                parts = value.split_with_sizes(self.sizes, dim)
+                columns.append(list(map(_call, self.movers, parts)))
+            else:
+                return None
+        return columns
 
     def _take(
         self, plan: Plan, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]
