@@ -19,6 +19,8 @@ import pytest
 import torch
 from torch import nn
 
+from dataparallel._common.stamps import AVAILABLE
+from dataparallel.replicate import _check as check_module
 from dataparallel.replicate._check import (
     Scripted,
     Snapshot,
@@ -118,8 +120,17 @@ SNAPSHOT_WRITES: dict[str, tuple[Callable[[nn.Sequential], Any], list[int]]] = {
 }
 
 
+@pytest.fixture(params=["stamped", "compared"])
+def stamping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The snapshot with the interpreter's write stamps (where it has them), and without:
+    every identity compared on every call, as on an interpreter without them."""
+    if request.param == "compared":
+        monkeypatch.setattr(check_module, "stamps", lambda dicts: None)
+    return request.param == "stamped"
+
+
 @pytest.mark.parametrize("write", sorted(SNAPSHOT_WRITES))
-def test_the_snapshot_sees_a_write_and_names_the_modules(write: str) -> None:
+def test_the_snapshot_sees_a_write_and_names_the_modules(write: str, stamping: bool) -> None:
     net = _net()
     snapshot = Snapshot(list(net.modules()))
     assert snapshot.same() and snapshot.changed() == []
@@ -129,16 +140,42 @@ def test_the_snapshot_sees_a_write_and_names_the_modules(write: str) -> None:
     assert snapshot.changed() == written
 
 
-def test_values_updated_in_place_leave_the_snapshot_holding() -> None:
+def test_values_updated_in_place_leave_the_snapshot_holding(stamping: bool) -> None:
     net = _net()
     snapshot = Snapshot(list(net.modules()))
     with torch.no_grad():
         net[0].weight.mul_(2.0)
         net[1].running_mean.add_(1.0)
     assert snapshot.same()
+    assert (snapshot._stamps is not None) == (stamping and AVAILABLE)
 
 
-def test_retake_brings_the_snapshot_in_line_with_the_written_modules() -> None:
+def test_hooks_reordered_in_place_are_seen(stamping: bool) -> None:
+    """A hook table's order lives outside its dictionary (``move_to_end`` moves no stamp): the
+    tables that are not plain dictionaries are compared on every call."""
+    net = _net()
+    first = net[0].register_forward_hook(lambda *a: None)
+    net[0].register_forward_hook(lambda *a: None)
+    snapshot = Snapshot(list(net.modules()))
+    net[0]._forward_hooks.move_to_end(first.id)
+    assert not snapshot.same() and snapshot.changed() == [1]
+
+
+def test_a_write_undone_leaves_the_snapshot_holding(stamping: bool) -> None:
+    """A table written back to what it held moves its stamp but not the tree: the full
+    comparison answers, and the stamps are taken again."""
+    net = _net()
+    snapshot = Snapshot(list(net.modules()))
+    params = net[0]._parameters
+    weight = params["weight"]
+    params["weight"] = nn.Parameter(torch.ones(4, 3))
+    params["weight"] = weight
+    assert snapshot.same() and snapshot.same()
+    net[0].tag = 1
+    assert not snapshot.same()
+
+
+def test_retake_brings_the_snapshot_in_line_with_the_written_modules(stamping: bool) -> None:
     net = _net()
     modules = list(net.modules())
     snapshot = Snapshot(modules)

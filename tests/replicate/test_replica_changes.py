@@ -92,6 +92,18 @@ def _setup_remove_hook(model: Flex) -> None:
     )
 
 
+def _setup_two_hooks(model: Flex) -> None:
+    # Two hooks whose order matters: (o + 1) * 3 or o * 3 + 1.
+    model.__dict__["_test_handle"] = model.seq[0].register_forward_hook(lambda m, i, o: o + 1)
+    model.seq[0].register_forward_hook(lambda m, i, o: o * 3)
+
+
+def _reorder_hooks(model: Flex) -> None:
+    # In place: same hooks, same count, another order (an OrderedDict's order lives outside
+    # its dictionary's storage).
+    model.seq[0]._forward_hooks.move_to_end(model.__dict__["_test_handle"].id)
+
+
 CHANGES: dict[str, Callable[[Flex], Any]] = {
     "plain attribute": lambda m: setattr(m, "scale", 3.0),
     "attribute deleted": lambda m: delattr(m, "scale"),
@@ -138,6 +150,7 @@ CHANGES: dict[str, Callable[[Flex], Any]] = {
     "hook table write": lambda m: m.seq[0]._forward_hooks.__setitem__(
         10**9, lambda mod, i, o: o - 1
     ),
+    "hooks reordered in place": _reorder_hooks,
     "training flag in __dict__": lambda m: (
         m.seq[1].__dict__.__setitem__("training", True)
         or m.bn.__dict__.__setitem__("training", True)
@@ -146,6 +159,7 @@ CHANGES: dict[str, Callable[[Flex], Any]] = {
 SETUP: dict[str, Callable[[Flex], Any]] = {
     "hook removed": _setup_remove_hook,
     "_modules key renamed": lambda m: m.add_module("extra", _spare(m)),
+    "hooks reordered in place": _setup_two_hooks,
 }
 
 

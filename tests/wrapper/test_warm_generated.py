@@ -60,6 +60,7 @@ CHANGES = (
     "mode",
     "attr",
     "hook",
+    "hook_order",
     "param",
     "data",
     "option",
@@ -330,6 +331,14 @@ class Pair:
                     m.head.register_forward_hook(lambda mod, inp, out: out * 2.0 - 0.25)
                     for m in (model, oracle)
                 ]
+        elif change == "hook_order":  # two hooks whose order matters, then reordered in place
+            for m in (model, oracle):
+                hooks = m.head._forward_hooks
+                if len(hooks) < 2:
+                    m.head.register_forward_hook(lambda mod, inp, out: out + 0.5)
+                    m.head.register_forward_hook(lambda mod, inp, out: out * 1.5)
+                else:
+                    hooks.move_to_end(next(iter(hooks)))
         elif change == "param":
             new = torch.randn(OUT, HIDDEN, generator=self.gen, dtype=self.dtype)
             model.lin._parameters["weight"] = nn.Parameter(new.clone())
