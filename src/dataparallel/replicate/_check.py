@@ -291,6 +291,28 @@ class Snapshot:
                 return False
             if stamps is not None:
                 stamps.take()
+        return self.rest_same()
+
+    @property
+    def loose(self) -> tuple[list[Iterable[Any]], list[Any]]:
+        """The live views of the tables that are not plain dictionaries, and what they held
+        (compared on every call: a stamp does not see an ``OrderedDict``'s order)."""
+        return self._loose, self._loose_values
+
+    @property
+    def watches_storage(self) -> bool:
+        """Whether :meth:`same` compares storage addresses too."""
+        return bool(self._tensors)
+
+    @property
+    def tables(self) -> list[dict[Any, Any]]:
+        """Every table the snapshot watches (whose write stamps :meth:`same` reads)."""
+        return self._counted
+
+    def rest_same(self) -> bool:
+        """What :meth:`same` checks besides the tables' stamps: the order of the tables that
+        are not plain dictionaries, and the watched storage addresses (for a caller that reads
+        the stamps of these tables, with others, itself)."""
         return (
             all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
             and _ptrs(self._tensors) == self._ptrs

@@ -39,6 +39,7 @@ from dataparallel.replicate import (
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._explain import explain_call
+from dataparallel.wrapper._express import MISS
 from dataparallel.wrapper._options import (
     CHECKED,
     check_dim,
@@ -87,6 +88,7 @@ _RUNTIME = (
     "_here",
     "_compiled_replicas",
     "_sync_layers",
+    "_express",
 )
 
 
@@ -271,7 +273,13 @@ class DataParallel(nn.DataParallel):
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
         ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
-        other call is torch's own."""
+        other call is torch's own. A repeated call of one tensor, with nothing written since the
+        last, runs express (``_express``)."""
+        express = self.__dict__.get("_express")
+        if express is not None and len(inputs) == 1 and not kwargs and type(self) is DataParallel:
+            out = express.call(self, inputs[0])
+            if out is not MISS:
+                return out
         if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
                 return _FORWARD(self, *inputs, **kwargs)
@@ -338,17 +346,9 @@ class DataParallel(nn.DataParallel):
         steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
         found = self._plan(inputs, kwargs)
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
-        if (
-            found.memo is not None  # a kept plan: the call a loop repeats
-            and method is None
-            and not any(steps)
-            and self.scalar_weights is None
-            and self.__dict__.get("compile_options") is None
-            and "replicate" not in self.__dict__
-        ):
-            warm = warm_step(found, inputs, kwargs)
-            if warm is not None and find_count(module, inputs, kwargs) is None:
-                return warm_call(self, warm, found, module, inputs, kwargs, steps)
+        warm = None if method is not None else warm_step(self, found, steps, module, inputs, kwargs)
+        if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
+            return warm_call(self, warm, found, module, inputs, kwargs, steps)
         plan = found if found.memo is None else found.bind(inputs, kwargs)
         slices = plan.slices
         if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:

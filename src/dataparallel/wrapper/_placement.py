@@ -149,6 +149,12 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
     )
 
 
+def watched_tensors(sentinels: list[Sentinel]) -> tuple[torch.Tensor, ...]:
+    """The tensors the sentinels hold now (for a caller that knows their places unchanged,
+    and reads only the devices: ``module.to()`` keeps a tensor object and moves its data)."""
+    return tuple(t for t in map(_sentinel_tensor, sentinels) if t is not None)
+
+
 def _sentinel_tensor(sentinel: Sentinel) -> torch.Tensor | None:
     ref, table, name = sentinel
     module = ref()

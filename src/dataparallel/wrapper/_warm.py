@@ -21,7 +21,7 @@ only the bookkeeping is done once instead of per call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,6 +31,8 @@ from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, s
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
 from dataparallel.scatter import WaveCut
+from dataparallel.wrapper._express import Express, arm
+from dataparallel.wrapper._partial_sums import find_count
 from dataparallel.wrapper._placement import copy_writes_back
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicate_wave
@@ -44,7 +46,17 @@ _UNSET = object()
 class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
-    __slots__ = ("cut", "devices", "dim", "first", "resolved", "sizes", "target", "tasks")
+    __slots__ = (
+        "cut",
+        "devices",
+        "dim",
+        "express",
+        "first",
+        "resolved",
+        "sizes",
+        "target",
+        "tasks",
+    )
 
     def __init__(self, cut: WaveCut) -> None:
         self.cut = cut
@@ -57,17 +69,92 @@ class WarmStep:
         self.dim = 0
         self.target = cut.devices[0]
         self.first: Any = _UNSET
+        # The express call of this step (``_express``): none yet, or ``False`` once given up.
+        self.express: Express | Literal[False] | None = None
 
     def check_first(self, result: Any) -> None:
         """Replica 0's part of the gather, done while the other replicas still run."""
         self.first = batched_part(result, self.sizes[0], self.dim, self.target)
 
+    def run(
+        self,
+        w: Wrapper,
+        plan: Plan,
+        module: nn.Module,
+        replicas: list[nn.Module],
+        args: list[tuple[Any, ...]],
+        kws: list[dict[str, Any]],
+        steps: Overrides,
+    ) -> Any:
+        """The call from the hand-off on, for replicas in line with ``module``, not marked
+        serial and with no SyncBatchNorm rendezvous: the kept tasks, then the gather."""
+        timers: list[Any] = []
+        concat = w.gather_outputs and not w.__dict__.get("output_rules")  # rule 1 may apply
+        self.first = _UNSET  # (a call that failed after replica 0's check left its verdict)
+        if concat:
+            self.dim, self.target = w.dim, w.output_device
+        outputs = apply_kept(self.tasks, replicas, args, kws, timers, concat)
+        return self.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
 
-def warm_step(plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> WarmStep | None:
+    def finish(
+        self,
+        w: Wrapper,
+        plan: Plan,
+        module: nn.Module,
+        replicas: list[nn.Module],
+        outputs: list[Any],
+        args: list[tuple[Any, ...]],
+        kws: list[dict[str, Any]],
+        timers: list[Any],
+        steps: Overrides,
+        concat: bool,
+    ) -> Any:
+        """The call after the join: writes back, the record, the gather (``concat``: rule 1
+        may apply, as read before the hand-off)."""
+        devices, sizes = self.devices, self.sizes
+        if replicas[0] is not module:
+            copy_writes_back(replicas[0], module)
+        record(w.__dict__, Load(devices, sizes, timers, 1))
+        if not w.gather_outputs:
+            return DeviceOutputs(outputs, devices, sizes)
+        if concat:
+            first = self.first
+            if first is _UNSET:  # replica 0's output not looked at yet
+                out = concat_batched(outputs, w.output_device, w.dim, sizes)
+            else:
+                self.first = _UNSET
+                out = (
+                    None
+                    if first is None
+                    else concat_batched(outputs, w.output_device, w.dim, sizes, 1, first)
+                )
+            if out is not None:
+                return out
+        origins = Origins(replicas, plan.program, args, kws)
+        return gather_all(w, outputs, devices, sizes, [], steps, None, origins, None)
+
+
+def warm_step(
+    w: Wrapper,
+    plan: Plan,
+    steps: Overrides,
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> WarmStep | None:
     """The warm step of the kept plan ``plan`` (a template), made on first use from this call
-    of its signature; ``None`` for a plan the step cannot serve (``WaveCut.of``; one chunk)."""
+    of its signature; ``None`` for a call the step cannot serve: a plan built for this call
+    alone, a step overridden, scalar weights, compiled replicas, an own ``replicate``, a count
+    passed (``num_items_in_batch``), or a plan ``WaveCut.of`` cannot cut, or of one chunk."""
     memo = plan.memo
-    if memo is None:
+    state = w.__dict__
+    if (
+        memo is None
+        or any(steps)
+        or w.scalar_weights is not None
+        or state.get("compile_options") is not None
+        or "replicate" in state
+    ):
         return None
     step: WarmStep | None
     try:
@@ -75,7 +162,7 @@ def warm_step(plan: Plan, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Wa
     except KeyError:
         cut = WaveCut.of(plan, inputs, kwargs)
         step = memo[_WARM] = None if cut is None or len(cut.devices) < 2 else WarmStep(cut)
-    return step
+    return None if step is None or find_count(module, inputs, kwargs) is not None else step
 
 
 def warm_call(
@@ -92,39 +179,19 @@ def warm_call(
     kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
     state = w.__dict__
     args, kws = step.cut(plan, inputs, kwargs)
-    devices, sizes = step.devices, step.sizes
+    devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
     replicas = None if sets is None else sets.kept(module, step.resolved)
     if replicas is None:  # the first call, or a new structure: built as always
         replicas = replicate_wave(w, devices, False, steps)
     serial = serial_mark(replicas)
     sync = sync_call(state, replicas, devices)
-    timers: list[Any] = []
-    concat = w.gather_outputs and not state.get("output_rules")  # rule 1 may apply
-    step.first = _UNSET  # (a call that failed after replica 0's check left its verdict)
     if serial or sync is not None:
+        timers: list[Any] = []
+        concat = w.gather_outputs and not state.get("output_rules")
+        step.first = _UNSET
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
-    else:
-        if concat:
-            step.dim, step.target = w.dim, w.output_device
-        outputs = apply_kept(step.tasks, replicas, args, kws, timers, concat)
-    if replicas[0] is not module:
-        copy_writes_back(replicas[0], module)
-    record(state, Load(devices, sizes, timers, 1))
-    if not w.gather_outputs:
-        return DeviceOutputs(outputs, devices, sizes)
-    if concat:
-        first = step.first
-        if first is _UNSET:  # replica 0's output not looked at yet
-            out = concat_batched(outputs, w.output_device, w.dim, sizes)
-        else:
-            step.first = _UNSET
-            out = (
-                None
-                if first is None
-                else concat_batched(outputs, w.output_device, w.dim, sizes, 1, first)
-            )
-        if out is not None:
-            return out
-    origins = Origins(replicas, plan.program, args, kws)
-    return gather_all(w, outputs, devices, sizes, [], steps, None, origins, None)
+        return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
+    if sets is not None and type(inputs[0]) is torch.Tensor and len(inputs) == 1 and not kwargs:
+        arm(w, step, plan, module, inputs[0], sets, replicas, steps)  # for the next call
+    return step.run(w, plan, module, replicas, args, kws, steps)

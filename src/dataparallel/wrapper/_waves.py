@@ -77,6 +77,7 @@ class Wrapper(Protocol):
     scalar_weights: Any
     output_device: torch.device
     src_device_obj: torch.device
+    device_ids: list[torch.device]
     _modules: dict[str, nn.Module | None]
     __dict__: dict[str, Any]
 
