@@ -283,3 +283,13 @@ def test_module_moved_to_another_dtype_with_swapped_tensors() -> None:
     x = x.double()
     for _ in range(3):
         assert_close_rel(w(x), oracle(x))
+
+
+def test_keyword_only_warm_calls_are_not_armed_and_match_one_device() -> None:
+    """A call of keywords only (``model(**batch)``) has no positional tensor: its warm calls
+    run as before, with no express (found by the transformers integration tests)."""
+    _model, oracle, w = _fresh()
+    x = torch.randn(6, FEATURES)
+    for _ in range(4):
+        assert_close_rel(w(x=x), oracle(x=x))
+    assert "_express" not in w.__dict__

@@ -60,8 +60,7 @@ class Stamps:
         span = int(offsets.max()) + 8
         if span > _SPAN_LIMIT or (offsets % np.uint64(8)).any():
             raise ValueError("address range")  # (caught by ``stamps``)
-        raw = (ctypes.c_char * span).from_address(base)
-        self._view = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint64)
+        self._view = np.asarray(_Memory(base, span // 8))
         self._index = (offsets // np.uint64(8)).astype(np.intp)  # one fancy index reads them all
         self._saved = b""  # (none taken yet: ``same`` answers ``False`` until ``take``)
 
@@ -76,6 +75,19 @@ class Stamps:
     def same(self) -> bool:
         """Whether none of the dictionaries was written since :meth:`take`."""
         return self._view[self._index].tobytes() == self._saved
+
+
+class _Memory:
+    """``count`` 64-bit words from ``address``, for ``numpy.asarray`` (read-only; no ctypes
+    array type is made per view, so nothing is left for the garbage collector)."""
+
+    def __init__(self, address: int, count: int) -> None:
+        self.__array_interface__ = {
+            "data": (address, True),
+            "shape": (count,),
+            "typestr": "<u8",
+            "version": 3,
+        }
 
 
 def stamps(dicts: list[dict[Any, Any]]) -> Stamps | None:

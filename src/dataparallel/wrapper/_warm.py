@@ -192,6 +192,6 @@ def warm_call(
         step.first = _UNSET
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
         return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
-    if sets is not None and type(inputs[0]) is torch.Tensor and len(inputs) == 1 and not kwargs:
+    if sets is not None and len(inputs) == 1 and not kwargs and type(inputs[0]) is torch.Tensor:
         arm(w, step, plan, module, inputs[0], sets, replicas, steps)  # for the next call
     return step.run(w, plan, module, replicas, args, kws, steps)
