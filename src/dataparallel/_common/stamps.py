@@ -61,7 +61,8 @@ class Stamps:
         if span > _SPAN_LIMIT or (offsets % np.uint64(8)).any():
             raise ValueError("address range")  # (caught by ``stamps``)
         self._view = np.asarray(_Memory(base, span // 8))
-        self._index = (offsets // np.uint64(8)).astype(np.intp)  # one fancy index reads them all
+        # One fancy index reads them all, in address order (neighbours share pages).
+        self._index = np.sort((offsets // np.uint64(8)).astype(np.intp))
         self._saved = b""  # (none taken yet: ``same`` answers ``False`` until ``take``)
 
     def read(self) -> bytes:
