@@ -125,7 +125,7 @@ def stamping(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """The snapshot with the interpreter's write stamps (where it has them), and without:
     every identity compared on every call, as on an interpreter without them."""
     if request.param == "compared":
-        monkeypatch.setattr(check_module, "stamps", lambda dicts: None)
+        monkeypatch.setattr(check_module, "make_stamps", lambda dicts: None)
     return request.param == "stamped"
 
 
@@ -250,3 +250,26 @@ def test_self_referencing_follows_tensor_hooks_and_attributes() -> None:
     plain = nn.Sequential(nn.Linear(2, 2))
     plain[0].weight.register_hook(lambda g: g * 2)
     assert not self_referencing(fingerprint(plain)[0])
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this interpreter keeps no readable dict tags")
+def test_stamps_are_made_once_and_kept_through_refills() -> None:
+    """A snapshot makes its stamps at its first full comparison that finds the tree unchanged
+    (a replica set built for one call never pays for them) and keeps them through retakes that
+    leave every table the same object; a table replaced makes them again."""
+    net = _net()
+    modules = list(net.modules())
+    snapshot = Snapshot(modules)
+    assert snapshot._stamps is None
+    assert snapshot.same()
+    made = snapshot._stamps
+    assert made is not None
+    net[0].tag = 1
+    assert not snapshot.same()
+    snapshot.retake(modules, snapshot.changed())
+    assert snapshot._stamps is made and snapshot.same()
+    net[2][0]._forward_hooks = type(net[2][0]._forward_hooks)()  # a new table object
+    assert not snapshot.same()
+    snapshot.retake(modules, snapshot.changed())
+    assert snapshot._stamps is None
+    assert snapshot.same() and snapshot._stamps is not None and snapshot.same()

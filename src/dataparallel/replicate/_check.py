@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from dataparallel._common.checks import check_initialized
-from dataparallel._common.stamps import Stamps, stamps
+from dataparallel._common.stamps import Stamps
+from dataparallel._common.stamps import stamps as make_stamps
 
 __all__ = [
     "Scripted",
@@ -224,6 +225,7 @@ class Snapshot:
         "_modules",
         "_named",
         "_ptrs",
+        "_stampable",
         "_stamps",
         "_storage",
         "_tensors",
@@ -243,16 +245,24 @@ class Snapshot:
         # every parameter object and copy no buffer (every CPU list of a model without
         # buffers) sees a tensor's new data through the tensor itself.
         self._storage = storage
+        # Made at the first full comparison that finds the tree unchanged (a snapshot of a set
+        # built for one call never pays for them), kept while the tables are the same objects.
+        self._stamps: Stamps | None = None
+        self._stampable = True
+        self._counted: list[dict[Any, Any]] = []
         self._join()
-        if self._stamps is not None:  # (what ``_join`` read is what the tables hold now)
-            self._stamps.take()
 
     def _join(self) -> None:
         """The tree's flat lists, in the order :meth:`same` reads them: every table's values,
         then the names."""
         states = self._modules
+        before = self._counted
         self._valued = list(chain.from_iterable(s.valued for s in states))
         self._counted = list(chain.from_iterable(s.counted for s in states))
+        if self._stamps is not None and not (
+            len(before) == len(self._counted) and all(map(operator.is_, before, self._counted))
+        ):
+            self._stamps = None  # other tables now: made again at the next full comparison
         self._named = list(chain.from_iterable(s.named for s in states))
         self._lens = list(chain.from_iterable(s.lens for s in states))
         # Live views of the same dictionaries: read in ``same`` without a call per dictionary
@@ -269,7 +279,6 @@ class Snapshot:
             list(chain.from_iterable(s.tensors for s in states)) if self._storage else []
         )
         self._ptrs = _ptrs(self._tensors)
-        self._stamps: Stamps | None = stamps(self._counted)
         self._loose = list(chain.from_iterable(s.loose for s in states))
         self._loose_values = list(chain.from_iterable(s.loose_vals for s in states))
 
@@ -289,6 +298,9 @@ class Snapshot:
                 and all(map(operator.is_, chain.from_iterable(self._views), self._values))
             ):
                 return False
+            if stamps is None and self._stampable:
+                stamps = self._stamps = make_stamps(self._counted)
+                self._stampable = stamps is not None  # (not tried again where none can be)
             if stamps is not None:
                 stamps.take()
         return self.rest_same()
