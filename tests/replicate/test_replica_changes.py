@@ -151,6 +151,9 @@ CHANGES: dict[str, Callable[[Flex], Any]] = {
         10**9, lambda mod, i, o: o - 1
     ),
     "hooks reordered in place": _reorder_hooks,
+    # No table written: the module's class, or its dictionary object, replaced.
+    "class assigned": lambda m: setattr(m.seq[1], "__class__", nn.Sigmoid),
+    "__dict__ assigned": lambda m: setattr(m, "__dict__", {**m.__dict__, "scale": 5.0}),
     "training flag in __dict__": lambda m: (
         m.seq[1].__dict__.__setitem__("training", True)
         or m.bn.__dict__.__setitem__("training", True)

@@ -59,6 +59,11 @@ def _thrice_forward(self: Net, x: torch.Tensor) -> torch.Tensor:
     return Net.forward(self, x) * 3.0
 
 
+class _Doubled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
 def served_by_express(w: dp.DataParallel, *args: Any) -> tuple[Any, bool]:
     """``w(*args)`` and whether the express call served it."""
     served = [False]
@@ -102,6 +107,7 @@ CHANGES = (
     "double_in_place",
     "subclass_arg",
     "bigger_batch",
+    "class_assigned",
 )
 
 
@@ -126,6 +132,9 @@ def _apply(change: str, model: Twice, oracle: Twice, w: dp.DataParallel) -> None
         Twice.forward = _thrice_forward if now is _twice_forward else _twice_forward  # type: ignore[method-assign]
     elif change == "devices_in_place":
         w.device_ids.append(torch.device("cpu")) if len(w.device_ids) < 3 else w.device_ids.pop()
+    elif change == "class_assigned":  # no table written: the head's class itself
+        for m in (model, oracle):
+            m.head.__class__ = nn.Linear if type(m.head) is _Doubled else _Doubled
     elif change == "double_in_place":  # same Parameter objects, their data another dtype
         with torch.no_grad():
             for m in (model, oracle):
@@ -293,3 +302,63 @@ def test_keyword_only_warm_calls_are_not_armed_and_match_one_device() -> None:
     for _ in range(4):
         assert_close_rel(w(x=x), oracle(x=x))
     assert "_express" not in w.__dict__
+
+
+def test_a_method_patched_on_the_wrapper_class_is_not_skipped() -> None:
+    """A method of ``DataParallel`` replaced on the class (found by a review: the express call
+    served the next call past it): the class's namespace is stamped too."""
+    _model, _oracle, w = _fresh()
+    x = torch.randn(6, FEATURES)
+    _armed(w, x)
+    real = dp.DataParallel._pipeline
+    try:
+        dp.DataParallel._pipeline = lambda self, *a, **k: real(self, *a, **k) + 100.0  # type: ignore[method-assign]
+        out, served = served_by_express(w, x)
+        assert not served
+        assert_close_rel(out, w.forward(x))
+    finally:
+        dp.DataParallel._pipeline = real  # type: ignore[method-assign]
+
+
+class _Negated(Twice):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -super().forward(x)
+
+
+@pytest.mark.parametrize("where", ["submodule", "root"])
+def test_a_class_assigned_between_calls_is_seen(where: str) -> None:
+    """``module.__class__ = Other`` writes no table (found by a review, and there before the
+    express call: replica 1 kept the old class): each module's class is compared on every
+    call, and a new one rebuilds the replicas."""
+    model, oracle, w = _fresh()
+    x = torch.randn(6, FEATURES)
+    _armed(w, x)
+    for m in (model, oracle):
+        if where == "submodule":
+            m.head.__class__ = _Doubled
+        else:
+            m.__class__ = _Negated
+    for _ in range(3):
+        assert_close_rel(w(x), oracle(x))
+
+
+def test_a_dictionary_assigned_between_calls_is_seen() -> None:
+    """``obj.__dict__ = {...}`` on a module or on the wrapper: the stamps watch the old
+    dictionary, so each dictionary object is compared on every call."""
+    model, oracle, w = _fresh()
+    x = torch.randn(6, FEATURES)
+    _armed(w, x)
+    for m in (model, oracle):
+        new = dict(m.head.__dict__)
+        new["_parameters"] = {
+            k: nn.Parameter(p.detach() * 2.0) for k, p in m.head._parameters.items()
+        }
+        m.head.__dict__ = new
+    for _ in range(3):
+        assert_close_rel(w(x), oracle(x))
+    _armed(w, x)
+    w.__dict__ = dict(w.__dict__)  # the express goes along, watching the old dictionary
+    w.__dict__["gather_outputs"] = False
+    out, served = served_by_express(w, x)
+    assert not served
+    assert not isinstance(out, torch.Tensor)  # per-device outputs, as the option says

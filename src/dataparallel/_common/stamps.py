@@ -1,6 +1,6 @@
 """Write stamps: one read that says whether any of many dictionaries was written since.
 
-CPython 3.11 to 3.13 keep, in every dictionary, a private version tag (PEP 509) that moves to a
+CPython keeps, in every dictionary, a private version tag (PEP 509) that moves to a
 new, never reused value on every insertion, deletion or replacement of a value, whoever makes
 it: ``d[k] = v`` from Python or C, ``setattr`` on an object whose ``__dict__`` it is, ``update``,
 ``pop``, ``clear``. A :class:`Stamps` keeps the tags of a fixed list of dictionaries and reads
@@ -8,11 +8,12 @@ them back in one gather, so a check that used to compare every value of every ta
 replicas' snapshot: a few hundred identities for a small CNN) first asks whether any table was
 written at all, and compares only when one was.
 
-The tag is an implementation detail: it is read at a fixed offset, only on the versions named
-here, and only after :func:`_works` has watched it move under every kind of write the checks rely
-on. Anywhere else (another interpreter, another version, a free-threaded build, a test that
-fails) :data:`AVAILABLE` is ``False``, :func:`stamps` returns ``None`` and the callers compare
-everything as before: slower, never less complete.
+The tag is an implementation detail: it is read at a fixed offset, only on CPython 3.11 (the
+version the project runs and tests: 3.12 deprecates the tag, and 3.13 keeps instance attributes
+apart from their dictionary), and only after :func:`_works` has watched it move under every
+kind of write the checks rely on. Anywhere else (another interpreter, another version, a
+free-threaded build, a test that fails) :data:`AVAILABLE` is ``False``, :func:`stamps` returns
+``None`` and the callers compare everything as before: slower, never less complete.
 
 What a tag does not see: a value written again with the same object (nothing changed), and
 an ``OrderedDict``'s ``move_to_end`` (its order lives outside the dictionary): callers compare
@@ -120,7 +121,7 @@ def _works() -> bool:
     every kind of write moves it (run once, at import)."""
     if (
         sys.implementation.name != "cpython"
-        or not (3, 11) <= sys.version_info[:2] <= (3, 13)
+        or sys.version_info[:2] != (3, 11)
         or sysconfig.get_config_var("Py_GIL_DISABLED")
         or dict.__basicsize__ < _TAG + 8
     ):

@@ -129,6 +129,7 @@ def structure_key(modules: list[nn.Module]) -> list[Any]:
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _DATA_PTR = torch.Tensor.data_ptr
+_DICT = operator.attrgetter("__dict__")
 _VALUES = dict.values
 
 
@@ -154,11 +155,14 @@ class _ModuleState:
     """One module's part of a :class:`Snapshot`."""
 
     __slots__ = (
+        "cls",
         "counted",
+        "d",
         "keys",
         "lens",
         "loose",
         "loose_vals",
+        "module",
         "named",
         "ptrs",
         "tensors",
@@ -168,6 +172,9 @@ class _ModuleState:
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
+        # Its class and its dictionary object: ``module.__class__ = Other`` and
+        # ``module.__dict__ = {...}`` write no table.
+        self.module, self.cls, self.d = module, type(module), d
         tables = [d.get(k) for k in _STRUCTURE]
         named = [t for t in tables if isinstance(t, dict)]
         self.named: list[dict[Any, Any]] = named
@@ -199,7 +206,9 @@ class _ModuleState:
 
     def same(self) -> bool:
         return (
-            list(map(len, self.counted)) == self.lens
+            type(self.module) is self.cls
+            and self.module.__dict__ is self.d
+            and list(map(len, self.counted)) == self.lens
             and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
             and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
             and all(map(operator.is_, chain.from_iterable(self.loose), self.loose_vals))
@@ -218,12 +227,15 @@ class Snapshot:
     """
 
     __slots__ = (
+        "_classes",
         "_counted",
+        "_dicts",
         "_lens",
         "_loose",
         "_loose_values",
         "_modules",
         "_named",
+        "_objects",
         "_ptrs",
         "_stampable",
         "_stamps",
@@ -281,6 +293,9 @@ class Snapshot:
         self._ptrs = _ptrs(self._tensors)
         self._loose = list(chain.from_iterable(s.loose for s in states))
         self._loose_values = list(chain.from_iterable(s.loose_vals for s in states))
+        self._objects = [s.module for s in states]
+        self._classes = [s.cls for s in states]
+        self._dicts = [s.d for s in states]
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot.
@@ -322,13 +337,21 @@ class Snapshot:
         return self._counted
 
     def rest_same(self) -> bool:
-        """What :meth:`same` checks besides the tables' stamps: the order of the tables that
-        are not plain dictionaries, and the watched storage addresses (for a caller that reads
-        the stamps of these tables, with others, itself)."""
+        """What :meth:`same` checks besides the tables' stamps: each module's class and
+        dictionary object, the order of the tables that are not plain dictionaries, and the
+        watched storage addresses (for a caller that reads the stamps of these tables, with
+        others, itself)."""
         return (
-            all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
+            list(map(type, self._objects)) == self._classes
+            and all(map(operator.is_, map(_DICT, self._objects), self._dicts))
+            and all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
             and _ptrs(self._tensors) == self._ptrs
         )
+
+    @property
+    def objects(self) -> tuple[list[nn.Module], list[type], list[dict[str, Any]]]:
+        """The modules, their classes and their dictionary objects as of the snapshot."""
+        return self._objects, self._classes, self._dicts
 
     def changed(self) -> list[int]:
         """The preorder indices of the modules written since the snapshot."""

@@ -19,7 +19,7 @@ same lock. When anything moved it misses, the general path runs, and that warm c
 express again. A step whose express keeps missing (a forward that writes an attribute on every
 call) stops arming it.
 
-Only where stamps exist (CPython 3.11 to 3.13) and for the simplest warm call: one positional
+Only where stamps exist (CPython 3.11) and for the simplest warm call: one positional
 plain tensor, a replica set that shares the module's parameters and holds no buffer copy, no
 watched holder, no warning to give, immutable options.
 """
@@ -54,6 +54,7 @@ _tracing = torch._C._get_tracing_state
 _compiling = torch.compiler.is_compiling
 _is = operator.is_
 _IS_CPU = operator.attrgetter("is_cpu")
+_DICT = operator.attrgetter("__dict__")
 _GIVE_UP = 3  # arms in a row that served no call: the step stops arming
 # The wrapper's own tables that torch's ``_call_impl`` and the pipeline read.
 _TABLES = (
@@ -77,8 +78,10 @@ class Express:
     """One warm step's answers, valid while the stamps and the values it holds are unchanged."""
 
     __slots__ = (
+        "classes",
         "devices",
         "devices_now",
+        "dicts",
         "entry",
         "fills",
         "held",
@@ -87,12 +90,13 @@ class Express:
         "loose",
         "misses",
         "module",
-        "owner",
+        "modules",
         "plan",
         "replicas",
         "served",
         "shape",
         "stamps",
+        "state",
         "step",
         "steps",
         "watch",
@@ -111,7 +115,9 @@ class Express:
         stamps: Stamps,
     ) -> None:
         state = w.__dict__
-        self.owner = id(w)  # (the express lives in its wrapper's ``__dict__`` only)
+        # The wrapper's dictionary itself (the express lives in it): another wrapper, or this
+        # one given a new ``__dict__``, is not served.
+        self.state = state
         self.step, self.plan, self.module, self.steps = step, plan, module, steps
         self.shape, self.layout = x.shape, x.layout
         self.entry, self.fills = entry, entry.fills
@@ -119,6 +125,9 @@ class Express:
         # moves ``fills``): the order of its tables that are not plain dictionaries. Its
         # storage addresses are not watched (a set that shares every parameter, no buffer).
         self.loose, self.held = entry.snapshot.loose
+        # The tree's modules, their classes and dictionary objects (``__class__`` and
+        # ``__dict__`` assignments write no table).
+        self.modules, self.classes, self.dicts = entry.snapshot.objects
         self.replicas = replicas
         self.devices_now: list[torch.device] = w.device_ids  # the list, written in place or not
         self.devices = list(self.devices_now)
@@ -140,9 +149,11 @@ class Express:
         except RuntimeError:  # a nested tensor has no shape to read: the general path names it
             return MISS
         if (
-            id(w) != self.owner
+            w.__dict__ is not self.state
             or self.entry.fills != self.fills
             or not self.stamps.same()
+            or list(map(type, self.modules)) != self.classes
+            or not all(map(_is, map(_DICT, self.modules), self.dicts))
             or (self.loose and not all(map(_is, chain.from_iterable(self.loose), self.held)))
             or self.devices_now != self.devices
             or not all(map(_IS_CPU, self.watch))
@@ -238,13 +249,14 @@ def _tables(
     """Every dictionary an answer of the warm call reads: the wrapper's ``__dict__``, tables
     and options, torch's global hook tables (and the module that holds them), the replica
     sets' table, the module tree's tables, and the namespaces of the module's classes (where
-    its ``forward``, whose signature places the count, is found)."""
+    its ``forward``, whose signature places the count, is found) and of the wrapper's."""
     state = w.__dict__
     tables: list[dict[Any, Any]] = [state, state["options"], sets.sets]
     tables += [t for t in map(state.get, _TABLES) if isinstance(t, dict)]
     tables.append(vars(_torch_module))
     tables += [getattr(_torch_module, name) for name in _GLOBAL_HOOKS]
     tables += tree
-    for cls in type(module).__mro__[:-1]:  # (not ``object``)
+    # (not ``object``'s; the wrapper's class too: a method patched on it is not skipped)
+    for cls in (*type(module).__mro__[:-1], *type(w).__mro__[:-1]):
         tables += [d for d in gc.get_referents(cls.__dict__) if type(d) is dict]
     return tables
