@@ -362,3 +362,25 @@ def test_a_dictionary_assigned_between_calls_is_seen() -> None:
     out, served = served_by_express(w, x)
     assert not served
     assert not isinstance(out, torch.Tensor)  # per-device outputs, as the option says
+
+
+def test_an_armed_wrapper_is_freed_without_the_collector() -> None:
+    """Deleting a wrapper whose express call is armed frees the wrapper, its module and its
+    replicas at once, with the collector off: the express holds no reference back to the
+    wrapper's dictionary, its step holds it weakly, and the kept tasks hold the step's check
+    weakly (that last cycle, between the warm step and its kept tasks, was there before the
+    express call and kept a deleted wrapper's module alive until the collector ran)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        model, _oracle, w = _fresh()
+        x = torch.randn(6, FEATURES)
+        _armed(w, x)
+        refs = [weakref.ref(o) for o in (model, w, w.__dict__["_express"])]
+        del model, w, _oracle
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        gc.enable()

@@ -53,8 +53,10 @@ class Stamps:
 
     __slots__ = ("_dicts", "_index", "_saved", "_view")
 
-    def __init__(self, dicts: list[dict[Any, Any]]) -> None:
-        self._dicts = dicts
+    def __init__(self, dicts: list[dict[Any, Any]], borrowed: int = 0) -> None:
+        # The first ``borrowed`` dictionaries are not held: their owner makes sure they are
+        # alive whenever it reads (a wrapper's own ``__dict__``, which holds the stamps).
+        self._dicts = dicts[borrowed:]
         addresses = np.array([id(d) + _TAG for d in dicts], dtype=np.uint64)
         base = int(addresses.min())
         offsets = addresses - np.uint64(base)
@@ -92,13 +94,13 @@ class _Memory:
         }
 
 
-def stamps(dicts: list[dict[Any, Any]]) -> Stamps | None:
+def stamps(dicts: list[dict[Any, Any]], borrowed: int = 0) -> Stamps | None:
     """A :class:`Stamps` of ``dicts`` (not taken yet) where tags are readable here, else
     ``None``."""
     if not AVAILABLE or not dicts:
         return None
     try:
-        return Stamps(dicts)
+        return Stamps(dicts, borrowed)
     except ValueError:
         return None
 

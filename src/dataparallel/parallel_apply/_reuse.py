@@ -20,6 +20,7 @@ drops the kept tasks (their locks are in an unknown state), and the next call ma
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,7 +60,6 @@ class TaskSlots:
     """The kept tasks of one caller (a ``DataParallel`` wrapper's warm step) on ``devices``."""
 
     __slots__ = (
-        "between",
         "busy",
         "check",
         "cpu",
@@ -83,19 +83,21 @@ class TaskSlots:
         self.tasks: list[_Task] | None = None
         self.busy = False
         # Given replica 0's result (when it succeeded and the call asks, ``check``) while the
-        # others may still run; ``between`` is bound once, so a call makes no function.
-        self.on_first = on_first
+        # others may still run. Held weakly: its owner holds these slots, and a cycle would
+        # keep the owner's module and replicas alive until the collector runs.
+        self.on_first = None if on_first is None else weakref.WeakMethod(on_first)
         self.check = False
         self.timings: list[Any] = []
-        self.between = self._between
 
     def _between(self) -> None:
         """Replica 0's part of what follows the join, done while the others still run."""
         task = self.tasks[0]  # type: ignore[index]
         span = task.span
         self.timings.append(float("nan") if span is None else span.settled())
-        if self.check and task.error is None:
-            self.on_first(task.result)  # type: ignore[misc]
+        if self.check and task.error is None and self.on_first is not None:
+            on_first = self.on_first()
+            if on_first is not None:
+                on_first(task.result)
 
 
 def apply_kept(
@@ -142,7 +144,7 @@ def apply_kept(
         task.context = context.copy() if copy else None
     kept.busy, kept.check, kept.timings = True, check_first, timings
     try:
-        _run_on_pool(tasks, kept.worker_slots, None, kept.between)
+        _run_on_pool(tasks, kept.worker_slots, None, kept._between)
     except BaseException:
         kept.tasks = None  # interrupted: their locks are in an unknown state
         raise

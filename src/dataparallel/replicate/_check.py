@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import operator
 import types
+import weakref
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
@@ -162,9 +163,9 @@ class _ModuleState:
         "lens",
         "loose",
         "loose_vals",
-        "module",
         "named",
         "ptrs",
+        "ref",
         "tensors",
         "vals",
         "valued",
@@ -173,8 +174,9 @@ class _ModuleState:
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
         # Its class and its dictionary object: ``module.__class__ = Other`` and
-        # ``module.__dict__ = {...}`` write no table.
-        self.module, self.cls, self.d = module, type(module), d
+        # ``module.__dict__ = {...}`` write no table. The module itself held weakly: the
+        # process-wide replica table holds a root only weakly, and a snapshot lives in it.
+        self.ref, self.cls, self.d = weakref.ref(module), type(module), d
         tables = [d.get(k) for k in _STRUCTURE]
         named = [t for t in tables if isinstance(t, dict)]
         self.named: list[dict[Any, Any]] = named
@@ -206,8 +208,9 @@ class _ModuleState:
 
     def same(self) -> bool:
         return (
-            type(self.module) is self.cls
-            and self.module.__dict__ is self.d
+            (module := self.ref()) is not None
+            and type(module) is self.cls
+            and module.__dict__ is self.d
             and list(map(len, self.counted)) == self.lens
             and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
             and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
@@ -237,6 +240,7 @@ class Snapshot:
         "_named",
         "_objects",
         "_ptrs",
+        "_root",
         "_stampable",
         "_stamps",
         "_storage",
@@ -293,7 +297,9 @@ class Snapshot:
         self._ptrs = _ptrs(self._tensors)
         self._loose = list(chain.from_iterable(s.loose for s in states))
         self._loose_values = list(chain.from_iterable(s.loose_vals for s in states))
-        self._objects = [s.module for s in states]
+        # The root weakly (see ``_ModuleState``), the others as the replica set holds them.
+        self._root = states[0].ref
+        self._objects = [s.ref() for s in states[1:]]
         self._classes = [s.cls for s in states]
         self._dicts = [s.d for s in states]
 
@@ -342,15 +348,19 @@ class Snapshot:
         watched storage addresses (for a caller that reads the stamps of these tables, with
         others, itself)."""
         return (
-            list(map(type, self._objects)) == self._classes
-            and all(map(operator.is_, map(_DICT, self._objects), self._dicts))
+            (root := self._root()) is not None
+            and type(root) is self._classes[0]
+            and root.__dict__ is self._dicts[0]
+            and list(map(type, self._objects)) == self._classes[1:]
+            and all(map(operator.is_, map(_DICT, self._objects), self._dicts[1:]))
             and all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
             and _ptrs(self._tensors) == self._ptrs
         )
 
     @property
-    def objects(self) -> tuple[list[nn.Module], list[type], list[dict[str, Any]]]:
-        """The modules, their classes and their dictionary objects as of the snapshot."""
+    def objects(self) -> tuple[list[Any], list[type], list[dict[str, Any]]]:
+        """The modules after the root (preorder), and every module's class and dictionary
+        object, as of the snapshot."""
         return self._objects, self._classes, self._dicts
 
     def changed(self) -> list[int]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import operator
+import weakref
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,7 @@ class Express:
     """One warm step's answers, valid while the stamps and the values it holds are unchanged."""
 
     __slots__ = (
+        "__weakref__",
         "classes",
         "devices",
         "devices_now",
@@ -88,12 +90,10 @@ class Express:
         "layout",
         "lock",
         "loose",
-        "misses",
         "module",
         "modules",
         "plan",
         "replicas",
-        "served",
         "shape",
         "stamps",
         "state",
@@ -115,9 +115,11 @@ class Express:
         stamps: Stamps,
     ) -> None:
         state = w.__dict__
-        # The wrapper's dictionary itself (the express lives in it): another wrapper, or this
-        # one given a new ``__dict__``, is not served.
-        self.state = state
+        # The wrapper's dictionary (the express lives in it), by address: another wrapper, or
+        # this one given a new ``__dict__``, is not served. Not held, so that no cycle keeps a
+        # deleted wrapper's module and replicas alive until the collector runs; its stamp is
+        # read only after this check found it alive at that address.
+        self.state = id(state)
         self.step, self.plan, self.module, self.steps = step, plan, module, steps
         self.shape, self.layout = x.shape, x.layout
         self.entry, self.fills = entry, entry.fills
@@ -127,7 +129,8 @@ class Express:
         self.loose, self.held = entry.snapshot.loose
         # The tree's modules, their classes and dictionary objects (``__class__`` and
         # ``__dict__`` assignments write no table).
-        self.modules, self.classes, self.dicts = entry.snapshot.objects
+        rest, self.classes, self.dicts = entry.snapshot.objects
+        self.modules = [module, *rest]
         self.replicas = replicas
         self.devices_now: list[torch.device] = w.device_ids  # the list, written in place or not
         self.devices = list(self.devices_now)
@@ -136,8 +139,6 @@ class Express:
         self.watch = watched_tensors(state["_sentinels"])
         self.lock = state["_lock"]
         self.stamps = stamps
-        self.served = 0
-        self.misses = 0
 
     def call(self, w: Wrapper, x: Any) -> Any:
         """``w(x)`` when nothing changed since the express was armed, else :data:`MISS`."""
@@ -149,7 +150,7 @@ class Express:
         except RuntimeError:  # a nested tensor has no shape to read: the general path names it
             return MISS
         if (
-            w.__dict__ is not self.state
+            id(w.__dict__) != self.state
             or self.entry.fills != self.fills
             or not self.stamps.same()
             or list(map(type, self.modules)) != self.classes
@@ -164,8 +165,8 @@ class Express:
         if not lock.acquire(blocking=False):  # another thread's call, or a pool worker's
             return MISS
         try:
-            self.served += 1
             step, plan = self.step, self.plan
+            step.served += 1
             args, kws = step.cut(plan, (x,), {})
             return step.run(w, plan, self.module, self.replicas, args, kws, self.steps)
         finally:
@@ -184,20 +185,21 @@ def arm(
 ) -> None:
     """Make ``step``'s express serve the next call, from a warm call whose gates just passed
     and whose replicas are about to run (``replicas``: in line with ``module`` now)."""
-    kept = step.express
+    kept = step.express() if isinstance(step.express, weakref.ref) else step.express
     if kept is False or not AVAILABLE:
         return
     state = w.__dict__
     entry = None if sets.shared or sets.module is not module else sets.sets.get(step.resolved)
     if entry is None or entry.snapshot is None or not _eligible(w, plan, entry):
         return
-    misses = 0
-    if kept is not None:  # armed before: did it serve a call since?
-        misses = 0 if kept.served else kept.misses + 1
-        if misses >= _GIVE_UP:
+    if step.express is not None:  # armed before: did it serve a call since?
+        step.misses = 0 if step.served else step.misses + 1
+        if step.misses >= _GIVE_UP:
             step.express = False
-            state.pop("_express", None)
+            if isinstance(state.get("_express"), Express):
+                state.pop("_express", None)
             return
+    step.served = 0
     express: Express
     if kept is not None and (
         kept.entry is entry
@@ -208,13 +210,14 @@ def arm(
     ):
         express = kept  # what it holds is what this call found: armed again
     else:
-        read = stamps(_tables(w, entry.snapshot.tables, module, sets))
+        read = stamps(_tables(w, entry.snapshot.tables, module, sets), borrowed=1)
         if read is None:
             step.express = False
             return
         express = Express(w, step, plan, module, x, entry, replicas, steps, read)
-        step.express = express
-    express.misses, express.served = misses, 0
+        # Held by the wrapper's ``__dict__`` alone (the step keeps a weak reference): the
+        # wrapper's deletion frees it, and its module and replicas, at once.
+        step.express = weakref.ref(express)
     if state.get("_express") is not express:
         state["_express"] = express
     express.stamps.take()  # (after the write above: it is part of the wrapper's table)

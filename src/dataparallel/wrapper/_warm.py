@@ -21,6 +21,7 @@ only the bookkeeping is done once instead of per call.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -47,12 +48,15 @@ class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
     __slots__ = (
+        "__weakref__",
         "cut",
         "devices",
         "dim",
         "express",
         "first",
+        "misses",
         "resolved",
+        "served",
         "sizes",
         "target",
         "tasks",
@@ -69,8 +73,12 @@ class WarmStep:
         self.dim = 0
         self.target = cut.devices[0]
         self.first: Any = _UNSET
-        # The express call of this step (``_express``): none yet, or ``False`` once given up.
-        self.express: Express | Literal[False] | None = None
+        # The express call of this step (``_express``), weakly: none yet, or ``False`` once
+        # given up; the calls it served since it was last armed, and the arms in a row that
+        # served none.
+        self.express: weakref.ref[Express] | Literal[False] | None = None
+        self.served = 0
+        self.misses = 0
 
     def check_first(self, result: Any) -> None:
         """Replica 0's part of the gather, done while the other replicas still run."""
