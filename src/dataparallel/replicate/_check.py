@@ -345,8 +345,8 @@ class Snapshot:
     def rest_same(self) -> bool:
         """What :meth:`same` checks besides the tables' stamps: each module's class and
         dictionary object, the order of the tables that are not plain dictionaries, and the
-        watched storage addresses (for a caller that reads the stamps of these tables, with
-        others, itself)."""
+        watched storage addresses. (The express call makes the same checks inline from
+        :attr:`objects` and :attr:`loose`, past a method call per call; it watches no storage.)"""
         return (
             (root := self._root()) is not None
             and type(root) is self._classes[0]
