@@ -1,9 +1,15 @@
 # Two commands for a newcomer: `make train` runs the main job, `make test` runs every check.
-# Both set up .venv first (once), installing through constraints.txt so torch resolves to the
-# pinned CPU build on machines without a GPU.
+# Both set up a venv first (once), installing through constraints.txt (torch 2.13.0, the oldest
+# tested).
 
 PYTHON ?= python3
-VENV := .venv
+# Another Python gets a venv of its own beside .venv: `make test PYTHON=python3.13` sets up and
+# tests .venv-python3.13. CONSTRAINTS=constraints-newest.txt takes the newest torch tested;
+# PIP_ARGS passes options to pip, such as PyTorch's CPU index on a machine without a GPU
+# (README, "Quick start").
+VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
+CONSTRAINTS ?= constraints.txt
+PIP_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -11,10 +17,10 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot]'
+	$(BIN)/python -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[dev,plot]'
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -28,24 +34,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Every run says what it ran on: CI runs several (.ci/run).
 test: lint
+	$(BIN)/python -c "$$VERSIONS"
 	$(BIN)/python -m pytest -q $(ARGS)
 
-# The same suite on the newest torch the registry serves (constraints-newest.txt), in a second
+export VERSIONS := import sys, torch, transformers; print(f"testing on Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+# The same checks on the newest torch the registry serves (constraints-newest.txt), in a second
 # venv: pyproject.toml declares the oldest torch tested (`make test`), this is the newest.
-NEWEST := .venv-newest
-NEWEST_STAMP := $(NEWEST)/.installed
-
-$(NEWEST_STAMP): pyproject.toml constraints-newest.txt
-	$(PYTHON) -m venv $(NEWEST)
-	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[dev,plot]'
-	touch $(NEWEST_STAMP)
-
-test-newest: $(NEWEST_STAMP)
-	$(NEWEST)/bin/python -c "import torch; print('make test-newest on torch', torch.__version__)"
-	$(NEWEST)/bin/mypy
-	$(NEWEST)/bin/python -m pytest -q $(ARGS)
+test-newest:
+	$(MAKE) test VENV=.venv-newest CONSTRAINTS=constraints-newest.txt
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
@@ -67,4 +66,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(NEWEST) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .venv-* .pytest_cache .mypy_cache .ruff_cache .hypothesis

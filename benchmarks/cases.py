@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.bench_syncbn import case_syncbn
+from benchmarks.check_scaling import case_check_scaling, many_module_net
 from benchmarks.e2e import case_e2e
 from benchmarks.harness import Case, Settings, Stats, compare, paired_ratio
 from benchmarks.phases import case_phases
@@ -405,17 +406,6 @@ def case_compile(settings: Settings, options: bool | dict[str, Any] = True) -> l
 # -- d. cached replicate against fresh replicas ---------------------------------------------
 
 
-def many_module_net(blocks: int = 50) -> nn.Module:
-    """A module of ``4 * blocks + 1`` submodules (251 by default): Linear, BatchNorm, ReLU,
-    Dropout per block, the mix of modules with and without tensors that real models have."""
-    return nn.Sequential(
-        *[
-            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.1))
-            for _ in range(blocks)
-        ]
-    )
-
-
 class _Counting(nn.Module):
     """A module outside the replicated tree that counts steps, as metrics modules do."""
 
@@ -666,6 +656,7 @@ FULL: tuple[CaseFn, ...] = (
     case_compile,
     case_e2e,
     case_phases,
+    case_check_scaling,
     case_mmcv_scatter,
     case_ddp,
     case_train_ddp,

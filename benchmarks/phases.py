@@ -11,7 +11,7 @@ Two passes per model and mode, each interleaved with the floor, the collector of
 - **totals**: only the call and the hand-off are wrapped, so the serial Python before the
   hand-off (from the call's entry to the first task handed to a worker) and after the join
   (from the last replica's end to the call's return) are timed with the least disturbance;
-- **phases**: every step wrapped (the express call's stamps, scatter, hand-off, gather, record);
+- **phases**: every step wrapped (plan, scatter, replicate check, hand-off, gather, record);
   the wrappers add a few tenths of a µs each, so these rows sum to a little more than the
   totals.
 
@@ -42,17 +42,16 @@ __all__ = ["PHASES", "SERIAL_TARGET", "case_phases", "main", "measure"]
 SERIAL_TARGET = 2.0  # issue 43: serial Python before the hand-off within 2x the floor's
 
 # (label, module, attribute path): the function that does each phase of a warm call.
-# A repeated call of one tensor is served by the express call (``wrapper._express``): its
-# gate is the write stamps' read, which stands for the plan and the replicate check.
 PHASES: tuple[tuple[str, str, str], ...] = (
-    ("express check (stamps)", "dataparallel._common.stamps", "Stamps.same"),
+    ("plan (kept)", "dataparallel.wrapper._data_parallel", "DataParallel._plan"),
     ("scatter", "dataparallel.scatter._cuts", "WaveCut.__call__"),
+    ("replicate check", "dataparallel.replicate", "ReplicaSets.kept"),
     ("hand-off, forwards, join", "dataparallel.parallel_apply._reuse", "_run_on_pool"),
     ("gather", "dataparallel.wrapper._warm", "concat_batched"),
     ("record", "dataparallel.wrapper._warm", "record"),
 )
 _CALL = ("call", "dataparallel.wrapper._data_parallel", "DataParallel.__call__")
-_HANDOFF = PHASES[2]
+_HANDOFF = PHASES[3]
 
 _ns = time.perf_counter_ns
 

@@ -31,17 +31,34 @@ from dataparallel.app.demo.data import write_cifar_like
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = (README, ROOT / "docs" / "guide.md", ROOT / "docs" / "benchmarks.md")
-VENV = ROOT / ".venv"
+# The venv running this suite stands for ``.venv`` in the scratch folder, so that a run on
+# another Python (``make test PYTHON=python3.13``: ``.venv-python3.13``) runs the README's
+# commands on that Python too.
+_RUNNING = Path(sys.prefix)
+VENV = _RUNNING if (_RUNNING / "bin" / "dataparallel").exists() else ROOT / ".venv"
 
 MULTI_NODE = (
     ".venv/bin/torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
     "HOST0:29400 --rdzv-id myjob -m dataparallel train --strategy ddp"
+)
+CPU_INDEX = 'make test PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"'
+OTHER_PYTHONS = (
+    "make test PYTHON=python3.10",
+    "make test PYTHON=python3.12",
+    "make test PYTHON=python3.13 CONSTRAINTS=constraints-newest.txt",
 )
 NOT_RUN = {
     "make test": "runs this very suite (with ruff and mypy): it is what runs this file",
     "make bench": f"the full benchmark set, {BENCH_FULL_TIME} of timed runs; its quick set, "
     "`.venv/bin/dataparallel bench`, is run",
     "make test-newest": "runs this very suite on the newest torch, in a second venv",
+    CPU_INDEX: "downloads torch from PyTorch's own index, which this machine cannot reach: "
+    "test_the_cpu_index_command_reaches_pip checks that the option gets to pip",
+    **{
+        command: "this very suite on another Python, in CI (.ci/run): "
+        "test_ci_runs_every_version_the_readme_lists checks it is there"
+        for command in OTHER_PYTHONS
+    },
     "make readme-figures": "retrains and rewrites README.md and benchmarks/results/ in place; "
     "tests/test_readme_figures.py checks its output against the README and a fresh run",
     "make check-bare": "builds a second environment from the wheel; tests/test_bare_install.py "
@@ -145,7 +162,8 @@ def test_the_readme_gives_the_commands_as_the_setup_makes_them_work(
 def test_every_readme_command_runs_as_written(
     commands: list[tuple[str, str | None]], tmp_path: Path
 ) -> None:
-    for name in (".venv", "Makefile", "pyproject.toml", "constraints.txt", "benchmarks"):
+    (tmp_path / ".venv").symlink_to(VENV)
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "benchmarks"):
         (tmp_path / name).symlink_to(ROOT / name)
     write_cifar_like(tmp_path / "cifar-10-batches-py", 200, 50)
     results = ROOT / "benchmarks" / "results"
@@ -183,3 +201,55 @@ def test_every_readme_command_runs_as_written(
     assert not failures, "\n\n".join(failures)
     assert "make train" in ran and len(ran) == len(commands) - len(skip)
     assert (tmp_path / "run.png").is_file() and (tmp_path / "run.json").is_file()
+
+
+def test_the_cpu_index_command_reaches_pip(tmp_path: Path) -> None:
+    """The README's command for a machine without a GPU hands PyTorch's CPU index to the pip
+    that installs the project (``make -n``: what make would run, run here without a download),
+    alongside the pins."""
+    args = CPU_INDEX.split(" ", 2)[2]  # PIP_ARGS="..."
+    name, value = args.split("=", 1)
+    fresh = tmp_path / "venv"
+    shown = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "setup", f"{name}={value.strip(chr(34))}", f"VENV={fresh}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    installs = [line for line in shown.splitlines() if "pip install" in line and "-e " in line]
+    assert len(installs) == 1, shown
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in installs[0]
+    assert "-c constraints.txt" in installs[0]
+
+
+def test_ci_runs_every_version_the_readme_lists() -> None:
+    """Each row of the README's table of versions is a run of ``.ci/run``: the same Python
+    (found by ``python_for``) with the same constraints."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("make test")]
+    assert runs[:2] == ["make test", "make test-newest"]
+    found = dict(re.findall(r"^(\w+)=\$\(python_for (3\.\d+)\)$", ci, flags=re.M))
+    for command in OTHER_PYTHONS:
+        minor = re.search(r"python(3\.\d+)", command)
+        assert minor is not None
+        [variable] = [v for v, m in found.items() if m == minor.group(1)]
+        constraints = command.split("CONSTRAINTS=")[1] if "CONSTRAINTS=" in command else None
+        expected = f'make test PYTHON="${variable}"' + (
+            f" CONSTRAINTS={constraints}" if constraints else ""
+        )
+        assert expected in runs, (command, runs)
+    readme = README.read_text()
+    tested = re.findall(r"^\| (3\.\d+)", readme, flags=re.M)
+    classifiers = re.findall(
+        r'"Programming Language :: Python :: (3\.\d+)"', (ROOT / "pyproject.toml").read_text()
+    )
+    assert (
+        sorted(set(tested), key=lambda v: int(v[2:]))
+        == classifiers
+        == [
+            "3.10",
+            "3.11",
+            "3.12",
+            "3.13",
+        ]
+    )

@@ -9,6 +9,7 @@ fix (``compile=True``), and accepts it on one (the module itself runs, as on one
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -152,6 +153,11 @@ def test_a_copied_wrapper_keeps_compile() -> None:
     assert len(copied.graphs) > before  # the copy compiles its own replicas
 
 
+def _matching(rec: pytest.WarningsRecorder, pattern: str) -> list[str]:
+    """The recorded warnings whose message matches ``pattern`` (as ``pytest.warns`` does)."""
+    return [str(w.message) for w in rec if re.search(pattern, str(w.message))]
+
+
 def test_compiling_the_wrapper_warns_once_with_the_fix_and_runs_eagerly() -> None:
     """torch.compile(wrapper) cannot trace the pipeline: it used to graph-break into tiny
     graphs with dynamo's warnings; now it compiles nothing, warns once naming compile=, and
@@ -161,10 +167,12 @@ def test_compiling_the_wrapper_warns_once_with_the_fix_and_runs_eagerly() -> Non
     model = _model()
     compiled = torch.compile(dp.DataParallel(model, CPU2), backend=backend)
     x = torch.randn(6, 4)
-    with pytest.warns(UserWarning, match=r"compiles none of the model.*compile=True") as rec:
+    ours = r"compiles none of the model.*compile=True"
+    with pytest.warns(UserWarning, match=ours) as rec:
         for _ in range(3):
             torch.testing.assert_close(compiled(x), model(x))
-    assert len(rec) == 1, [str(w.message) for w in rec]
+    # Only ours are counted: torch adds its own (on 3.13.0, "Guards may run slower").
+    assert len(_matching(rec, ours)) == 1, [str(w.message) for w in rec]
     assert backend.graphs == []
 
 
@@ -175,10 +183,11 @@ def test_compiling_a_wrapper_made_with_compile_says_it_adds_nothing() -> None:
     wrapper = dp.DataParallel(model, ["cpu", "cpu:1"], compile={"backend": backend})
     outer = torch.compile(wrapper, backend="eager")
     x = torch.randn(6, 4)
-    with pytest.warns(UserWarning, match=r"adds nothing.*drop the outer torch.compile") as rec:
+    ours = r"adds nothing.*drop the outer torch.compile"
+    with pytest.warns(UserWarning, match=ours) as rec:
         for _ in range(2):
             torch.testing.assert_close(outer(x), model(x))
-    assert len(rec) == 1
+    assert len(_matching(rec, ours)) == 1, [str(w.message) for w in rec]
     assert 1 <= len(backend.graphs) <= 2  # the replicas are compiled all the same
 
 

@@ -41,8 +41,6 @@ from torch import nn
 import dataparallel as dp
 import dataparallel.wrapper._data_parallel as dp_wrapper
 from _close import assert_close_rel
-from dataparallel._common import stamps
-from dataparallel.wrapper._express import MISS, Express
 
 FEATURES, HIDDEN, OUT = 4, 6, 3
 EXTRA = 13  # dim 0 of a broadcast argument: never a batch size drawn here (1..9)
@@ -186,32 +184,15 @@ def grad_mode(mode: str) -> Iterator[None]:
 @contextlib.contextmanager
 def count_warm() -> Iterator[list[int]]:
     """Count the calls the warm path serves: those ``DataParallel._pipeline`` hands to
-    ``warm_call``, and those the express call (``_express``) serves before it; ``[all, of
-    them express]``."""
-    count = [0, 0]
+    ``warm_call``."""
+    count = [0]
     real = dp_wrapper.warm_call
-    real_express = Express.call
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
         return real(*args, **kwargs)
 
-    def spy_express(self: Express, w: Any, x: Any) -> Any:
-        try:
-            out = real_express(self, w, x)
-        except BaseException:  # (the gate never raises: a call it served did)
-            out = None
-            raise
-        finally:
-            if out is not MISS:
-                count[0] += 1
-                count[1] += 1
-        return out
-
-    with (
-        mock.patch.object(dp_wrapper, "warm_call", spy),
-        mock.patch.object(Express, "call", spy_express),
-    ):
+    with mock.patch.object(dp_wrapper, "warm_call", spy):
         yield count
 
 
@@ -468,25 +449,6 @@ def test_generator_reaches_the_warm_path() -> None:
     the second call on: the counting the generator relies on works."""
     s = Scenario("mlp", ["cpu", "cpu"], "one", "train", [6, 6, 6, 6], ["none"] * 3, 0)
     assert run_scenario(s) == (3, 3)
-
-
-@pytest.mark.skipif(not stamps.AVAILABLE, reason="the express call needs write stamps")
-def test_generator_reaches_the_express_call() -> None:
-    """From the third identical call of one tensor on, the express call serves it (the second
-    arms it); any change between calls sends the next call down the general path."""
-    s = Scenario("mlp", ["cpu", "cpu"], "one", "train", [6, 6, 6, 6, 6], ["none"] * 4, 0)
-    assert run_scenario(s) == (4, 4)
-    pair = Pair(s)
-    x = torch.randn(6, FEATURES)
-    with count_warm() as count:
-        for _ in range(4):
-            pair.w(x)
-        assert count == [3, 2]
-        pair.model.head.scale = 1.5  # a write: the next call misses, and arms it again
-        pair.w(x)
-        assert count == [4, 2]
-        pair.w(x)
-        assert count == [5, 3]
 
 
 # -- 2. the mechanism's edges ----------------------------------------------------------------

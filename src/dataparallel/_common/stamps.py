@@ -58,9 +58,9 @@ class Stamps:
         # alive whenever it reads (a wrapper's own ``__dict__``, which holds the stamps).
         self._dicts = dicts[borrowed:]
         addresses = np.array([id(d) + _TAG for d in dicts], dtype=np.uint64)
-        base = int(addresses.min())
+        base = int(np.min(addresses))
         offsets = addresses - np.uint64(base)
-        span = int(offsets.max()) + 8
+        span = int(np.max(offsets)) + 8
         if span > _SPAN_LIMIT or (offsets % np.uint64(8)).any():
             raise ValueError("address range")  # (caught by ``stamps``)
         self._view = np.asarray(_Memory(base, span // 8))

@@ -326,27 +326,10 @@ class Snapshot:
                 stamps.take()
         return self.rest_same()
 
-    @property
-    def loose(self) -> tuple[list[Iterable[Any]], list[Any]]:
-        """The live views of the tables that are not plain dictionaries, and what they held
-        (compared on every call: a stamp does not see an ``OrderedDict``'s order)."""
-        return self._loose, self._loose_values
-
-    @property
-    def watches_storage(self) -> bool:
-        """Whether :meth:`same` compares storage addresses too."""
-        return bool(self._tensors)
-
-    @property
-    def tables(self) -> list[dict[Any, Any]]:
-        """Every table the snapshot watches (whose write stamps :meth:`same` reads)."""
-        return self._counted
-
     def rest_same(self) -> bool:
         """What :meth:`same` checks besides the tables' stamps: each module's class and
         dictionary object, the order of the tables that are not plain dictionaries, and the
-        watched storage addresses. (The express call makes the same checks inline from
-        :attr:`objects` and :attr:`loose`, past a method call per call; it watches no storage.)"""
+        watched storage addresses."""
         return (
             (root := self._root()) is not None
             and type(root) is self._classes[0]
@@ -356,12 +339,6 @@ class Snapshot:
             and all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
             and _ptrs(self._tensors) == self._ptrs
         )
-
-    @property
-    def objects(self) -> tuple[list[Any], list[type], list[dict[str, Any]]]:
-        """The modules after the root (preorder), and every module's class and dictionary
-        object, as of the snapshot."""
-        return self._objects, self._classes, self._dicts
 
     def changed(self) -> list[int]:
         """The preorder indices of the modules written since the snapshot."""

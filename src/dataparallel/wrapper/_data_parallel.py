@@ -39,7 +39,6 @@ from dataparallel.replicate import (
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._explain import explain_call
-from dataparallel.wrapper._express import MISS
 from dataparallel.wrapper._options import (
     CHECKED,
     check_dim,
@@ -88,7 +87,6 @@ _RUNTIME = (
     "_here",
     "_compiled_replicas",
     "_sync_layers",
-    "_express",
 )
 
 
@@ -273,13 +271,7 @@ class DataParallel(nn.DataParallel):
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
         ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
-        other call is torch's own. A repeated call of one tensor, with nothing written since the
-        last, runs express (``_express``)."""
-        express = self.__dict__.get("_express")
-        if express is not None and len(inputs) == 1 and not kwargs and type(self) is DataParallel:
-            out = express.call(self, inputs[0])
-            if out is not MISS:
-                return out
+        other call is torch's own."""
         if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
                 return _FORWARD(self, *inputs, **kwargs)

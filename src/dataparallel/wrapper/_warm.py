@@ -21,8 +21,7 @@ only the bookkeeping is done once instead of per call.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +31,6 @@ from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, s
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
 from dataparallel.scatter import WaveCut
-from dataparallel.wrapper._express import Express, arm
 from dataparallel.wrapper._partial_sums import find_count
 from dataparallel.wrapper._placement import copy_writes_back
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
@@ -48,15 +46,12 @@ class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
     __slots__ = (
-        "__weakref__",
+        "__weakref__",  # the kept tasks hold ``check_first`` weakly (no cycle)
         "cut",
         "devices",
         "dim",
-        "express",
         "first",
-        "misses",
         "resolved",
-        "served",
         "sizes",
         "target",
         "tasks",
@@ -73,12 +68,6 @@ class WarmStep:
         self.dim = 0
         self.target = cut.devices[0]
         self.first: Any = _UNSET
-        # The express call of this step (``_express``), weakly: none yet, or ``False`` once
-        # given up; the calls it served since it was last armed, and the arms in a row that
-        # served none.
-        self.express: weakref.ref[Express] | Literal[False] | None = None
-        self.served = 0
-        self.misses = 0
 
     def check_first(self, result: Any) -> None:
         """Replica 0's part of the gather, done while the other replicas still run."""
@@ -200,6 +189,4 @@ def warm_call(
         step.first = _UNSET
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
         return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
-    if sets is not None and len(inputs) == 1 and not kwargs and type(inputs[0]) is torch.Tensor:
-        arm(w, step, plan, module, inputs[0], sets, replicas, steps)  # for the next call
     return step.run(w, plan, module, replicas, args, kws, steps)

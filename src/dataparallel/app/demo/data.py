@@ -16,6 +16,7 @@ spec is one of:
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 from dataclasses import dataclass
@@ -168,11 +169,12 @@ def load_digits_data(*, test_fraction: float = 0.2, seed: int = 0) -> DemoData:
 def _reconstruct() -> Any:
     # numpy 2 moved numpy.core to numpy._core; importing numpy.core there warns, so prefer the
     # new home and fall back for numpy 1.x.
+    # (By name: which of the two a type checker can see depends on the numpy it reads.)
     try:
-        from numpy._core.multiarray import _reconstruct as fn
+        home = importlib.import_module("numpy._core.multiarray")
     except ImportError:  # numpy < 1.26 has no numpy._core
-        from numpy.core.multiarray import _reconstruct as fn  # type: ignore[no-redef]
-    return fn
+        home = importlib.import_module("numpy.core.multiarray")
+    return home._reconstruct
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -247,8 +249,9 @@ def _batch_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(
             f"{path}: expected {data.shape[0]} labels, got {y.shape[0] if y.ndim else 0}"
         )
-    if y.size and (y.min() < 0 or y.max() >= 10):
-        raise DataError(f"{path}: expected labels in 0..9, got {int(y.min())}..{int(y.max())}")
+    low, high = (int(np.min(y)), int(np.max(y))) if y.size else (0, 0)
+    if low < 0 or high >= 10:
+        raise DataError(f"{path}: expected labels in 0..9, got {low}..{high}")
     _check_pixels(path, data)
     return data.reshape(-1, 3, 32, 32), y
 
