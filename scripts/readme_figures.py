@@ -421,7 +421,12 @@ def _bench_table(bench: dict[str, Any], train_ddp: dict[str, Any] | None = None)
             continue
         what, base = _case_text(case)
         measured = case["stats"][case["measured"]]["median_s"]
-        baseline = case["stats"][case["baseline"]]["median_s"]
+        # A case with no baseline (a slope) reports a figure of its own: its ratio's unit.
+        against = (
+            "-"
+            if case["baseline"] is None
+            else f"{_fmt_time(case['stats'][case['baseline']]['median_s'])} ({base})"
+        )
         verdict = {True: "met", False: "**missed**", None: ""}[case["met"]]
         ratio = f"{case['ratio']:.3f}"
         runs = case.get("extra", {}).get("runs")
@@ -429,7 +434,7 @@ def _bench_table(bench: dict[str, Any], train_ddp: dict[str, Any] | None = None)
             low, high = runs["spread"]
             ratio += f" ({len(runs['ratios'])} runs: {low:.3f}–{high:.3f})"
         rows.append(
-            f"| {what} | {_fmt_time(measured)} | {_fmt_time(baseline)} ({base}) | "
+            f"| {what} | {_fmt_time(measured)} | {against} | "
             f"{ratio} | {_target(case['target'])} | {verdict} |"
         )
     names = {case["name"] for case in bench["cases"]}
