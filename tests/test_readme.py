@@ -76,6 +76,19 @@ GPU_ONLY = {
 }
 
 
+# What ``make`` hands its recipes: a ``make test PYTHON=... CONSTRAINTS=...`` that runs this
+# suite would pass its variables on to every ``make`` a test runs (MAKEFLAGS), so the README's
+# ``make train`` would set up another venv than a reader's shell gets.
+_MAKE_ENV = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
+def _fresh_shell_env() -> dict[str, str]:
+    """The environment a reader's shell has: this process's, less pytest's and make's."""
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k not in _MAKE_ENV
+    }
+
+
 def _strip_comment(line: str) -> str:
     return re.sub(r"\s+#\s.*$", "", line).strip()
 
@@ -123,7 +136,7 @@ def test_the_first_example_runs_as_written(tmp_path: Path) -> None:
     # that exist on this machine (every GPU, else two CPU replicas).
     script = tmp_path / "first.py"
     script.write_text(first_example(README.read_text(encoding="utf-8")), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = _fresh_shell_env()
     done = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
@@ -171,7 +184,7 @@ def test_every_readme_command_runs_as_written(
     skip = dict(NOT_RUN)
     if torch.cuda.is_available():
         skip.update(GPU_ONLY)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = _fresh_shell_env()
     failures = []
     ran = []
     try:
@@ -212,6 +225,7 @@ def test_the_cpu_index_command_reaches_pip(tmp_path: Path) -> None:
     fresh = tmp_path / "venv"
     shown = subprocess.run(
         ["make", "-n", "-C", str(ROOT), "setup", f"{name}={value.strip(chr(34))}", f"VENV={fresh}"],
+        env=_fresh_shell_env(),
         capture_output=True,
         text=True,
         check=True,

@@ -501,3 +501,25 @@ def test_version_prints_the_package_and_torch_versions(
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"dataparallel {version('dataparallel')} (torch {torch.__version__}")
+
+
+@pytest.mark.parametrize("value", ["abc", "1e20", "0"])
+def test_a_bad_dist_timeout_is_one_line_before_the_launch(value: str) -> None:
+    """Issue 51: ``DATAPARALLEL_DIST_TIMEOUT=abc`` under ``--strategy ddp`` ended with one or
+    two tracebacks and the launcher's summary (28 to 55 lines, exit 1); it is a usage error,
+    said once before any worker starts, as a bad option is."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DATAPARALLEL_DIST_TIMEOUT"] = value
+    argv = [sys.executable, "-m", "dataparallel", "train", "--strategy", "ddp", "--devices"]
+    for procs in ("1", "2"):
+        done = subprocess.run(
+            [*argv, "cpu", "--nproc-per-node", procs, "--epochs", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(ERROR_PREFIX) and done.stderr.count("\n") == 1, done.stderr
+        assert "DATAPARALLEL_DIST_TIMEOUT" in done.stderr and repr(value) in done.stderr

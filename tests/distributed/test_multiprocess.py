@@ -98,6 +98,34 @@ def test_shard_then_gather_all_gives_back_the_global_batch(tmp_path: Path, world
             assert "rank 2 (batch 2): {'x': Tensor(2, 3):float32}" in message
 
 
+def _empty_rank_worker(out_dir: str) -> None:
+    with distributed() as info:
+        n = 3 if info.rank == 0 else 0
+        loss = torch.arange(n, dtype=torch.float32).mean()  # nan on the empty rank
+        out = {
+            "pred": torch.arange(n),
+            "failed": torch.tensor(1 + 3 * info.rank),
+            "failed_int": 1 + 3 * info.rank,
+            "host": [f"host{info.rank}"],
+            "loss": loss,
+        }
+        torch.save(gather_all(out), Path(out_dir) / f"rank{info.rank}.pt")
+
+
+def test_an_empty_rank_counts_in_gather_all_but_weighs_nothing_in_a_mean(tmp_path: Path) -> None:
+    """Issue 51, item 1: rank 1 with no samples was left out whole, so its failures, its int
+    count and its host were lost (``failed=1``, ``['host0']``) with no warning. Now only its
+    weight in the mean is 0: its nan loss spoils nothing, and everything else counts, as one
+    process over both ranks' work would count it."""
+    run_workers(_empty_rank_worker, 2, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert torch.equal(got["pred"], torch.arange(3)), rank
+        assert int(got["failed"]) == 5 and got["failed_int"] == 5, (rank, got)
+        assert got["host"] == [["host0", "host1"]], (rank, got)
+        torch.testing.assert_close(got["loss"], torch.tensor(1.0))
+
+
 # --------------------------------------------------------------------------- DDP training
 
 

@@ -20,7 +20,7 @@ import torch._dynamo  # DDP imports it, and the import sets TORCHINDUCTOR_CACHE_
 import torch.distributed as dist
 
 from dataparallel.app.launch import free_port
-from dataparallel.distributed import ENV_VARS, ddp_session, init_distributed
+from dataparallel.distributed import ENV_VARS, ddp_session, init_distributed, resolve_timeout
 
 from ._helpers import child_env, run_workers
 
@@ -82,7 +82,7 @@ def test_an_unresolvable_master_addr_fails_fast(no_torchrun_env: pytest.MonkeyPa
     assert "got 'no-such-host.invalid'" in message and "--master-addr" in message
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf", "nan", "1e20", "1e-7"])
 def test_a_bad_timeout_is_our_error(no_torchrun_env: pytest.MonkeyPatch, value: str) -> None:
     no_torchrun_env.setenv("DATAPARALLEL_DIST_TIMEOUT", value)
     expected = "environment variable DATAPARALLEL_DIST_TIMEOUT: expected"
@@ -91,6 +91,16 @@ def test_a_bad_timeout_is_our_error(no_torchrun_env: pytest.MonkeyPatch, value: 
     no_torchrun_env.delenv("DATAPARALLEL_DIST_TIMEOUT")
     with pytest.raises(ValueError, match=r"timeout: expected a positive, finite number"):
         init_distributed(timeout=0)
+
+
+@pytest.mark.parametrize("seconds", [1e20, 1e-7, 2.2e6])
+def test_a_timeout_past_what_torch_can_count_is_our_error(seconds: float) -> None:
+    """Issue 51: ``1e20`` gave torch's ``OverflowError`` without the variable's name, and
+    ``1e-7`` rounded to 0 ms ("waited 0 s"); both ends are named, as the limits are."""
+    with pytest.raises(ValueError, match=r"from 0\.001 to 2,147,484, got "):
+        resolve_timeout(seconds)
+    assert resolve_timeout(0.001).total_seconds() == 0.001
+    assert resolve_timeout(2_147_483).total_seconds() == 2_147_483
 
 
 @contextmanager

@@ -356,3 +356,30 @@ def test_a_warm_wrapper_is_freed_without_the_collector() -> None:
         assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
+
+
+def test_an_attribute_renamed_to_the_same_object_is_seen() -> None:
+    """``del m.a`` then ``m.b = <the same object>``: every value of the module's dictionary and
+    its length are unchanged, only a name moved (found while writing issue 52's note: replica
+    1 kept ``a`` and read the class's ``b``; rows 3 to 5 off by up to 1.18). The names of a
+    module's dictionary are compared too."""
+
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(FEATURES, OUT)
+            self.a = 2.0  # the last entry: its removal and the new name keep the order
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * getattr(self, "b", 1.0)
+
+    torch.manual_seed(0)
+    model = Renamed()
+    w = dp.DataParallel(model, ["cpu", "cpu"])
+    x = torch.randn(6, FEATURES)
+    with torch.no_grad():
+        _warmed(w, x)
+        value = model.__dict__.pop("a")
+        model.__dict__["b"] = value
+        for _ in range(2):
+            assert_close_rel(w(x), model(x))

@@ -30,6 +30,7 @@ from dataparallel.distributed._process import (
     destroy_distributed,
     init_distributed,
 )
+from dataparallel.distributed._rendezvous import resolve_timeout
 from dataparallel.distributed._sampler import ShardedSampler
 from dataparallel.distributed._shard import shard
 
@@ -41,5 +42,6 @@ __all__ = [
     "destroy_distributed",
     "gather_all",
     "init_distributed",
+    "resolve_timeout",
     "shard",
 ]

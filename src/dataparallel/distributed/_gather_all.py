@@ -172,9 +172,9 @@ def gather_all(
     batch sharded by :func:`shard` (or a dataset by :class:`ShardedSampler`) and gathered here is
     the global batch, in order, with nothing padded and nothing repeated. Tensors, ndarrays,
     per-sample lists of strings or of variable-size tensors, dicts, dataclasses and scalars all
-    follow the gather rules (a mean-reduced loss comes back as the global mean). With
-    ``scalars="mean"``, ranks whose part is empty (a batch smaller than the world) are left out,
-    so their ``nan`` losses do not spoil the mean.
+    follow the gather rules (a mean-reduced loss comes back as the global mean). A rank whose
+    part is empty (a batch smaller than the world) weighs nothing in a mean, so its ``nan``
+    loss does not spoil it; its counts, lists and other outputs are gathered as any rank's.
 
     Objects travel as pickled CPU copies (``all_gather_object``); tensors come back on this
     rank's device. Gradients flow only into this rank's own part (the other ranks' parts are
@@ -222,18 +222,17 @@ def gather_all(
     else:
         sizes, outputs = [local_size], [obj]
     chunk_sizes = None if any(size is None for size in sizes) else [int(s) for s in sizes]
-    kept = list(range(len(outputs)))
-    if scalars == "mean" and chunk_sizes is not None and sum(chunk_sizes) > 0:
-        # A rank with an empty part (fewer samples than ranks) weighs nothing in a mean, and
-        # its mean-reduced loss is nan: leave it out rather than let 0 * nan poison the mean.
-        kept = [r for r, size in enumerate(chunk_sizes) if size > 0]
+    # A rank with an empty part (fewer samples than ranks) is gathered as any other: its
+    # weight in a mean is 0, which the gather leaves out (its mean-reduced loss is nan, and
+    # 0 * nan would poison the mean), while its counts, lists and objects count as one
+    # process's would (issue 51: leaving the whole rank out lost them).
     _warn_unreadable_scalars(outputs, chunk_sizes, scalars, output_rules)
     try:
         return gather(
-            [outputs[r] for r in kept],
+            outputs,
             here,
             dim,
-            chunk_sizes=None if chunk_sizes is None else [chunk_sizes[r] for r in kept],
+            chunk_sizes=chunk_sizes,
             scalars=scalars,
             output_rules=output_rules,
         )

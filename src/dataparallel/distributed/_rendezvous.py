@@ -39,6 +39,11 @@ DEFAULT_TIMEOUT_S = 300.0
 #: The environment variable that changes the default limit (seconds), e.g. for a CLI run.
 TIMEOUT_ENV = "DATAPARALLEL_DIST_TIMEOUT"
 
+#: The limits a timeout must fall in: torch's stores and gloo count milliseconds (less than one
+#: would round to 0, "waited 0 s"), and hand them to C as a 32-bit int (more overflows).
+MIN_TIMEOUT_S = 0.001
+MAX_TIMEOUT_S = (2**31 - 1) / 1000  # about 24.8 days
+
 _ENDPOINT_FIX = (
     "set MASTER_ADDR to the rank-0 host's name or IP address and MASTER_PORT to a free port "
     "there, the same on every rank (torchrun --master-addr/--master-port, or --rdzv-endpoint); "
@@ -53,7 +58,8 @@ def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.time
     (seconds), else :data:`DEFAULT_TIMEOUT_S` (5 minutes, where torch waits 30).
 
     Raises:
-        ValueError: not a positive number of seconds (the message names where it came from).
+        ValueError: not a number of seconds from :data:`MIN_TIMEOUT_S` to
+            :data:`MAX_TIMEOUT_S` (the message names where it came from).
     """
     if timeout is None:
         raw = os.environ.get(TIMEOUT_ENV)
@@ -72,10 +78,11 @@ def resolve_timeout(timeout: float | datetime.timedelta | None) -> datetime.time
             seconds = float(timeout)
         else:
             seconds = math.nan
-    if not 0 < seconds < math.inf:
+    if not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:  # (NaN fails it too)
         raise ValueError(
-            f"{where}: expected a positive, finite number of seconds, got {found}; pass e.g. "
-            f"timeout=600 (or a datetime.timedelta), or set {TIMEOUT_ENV}=600"
+            f"{where}: expected a positive, finite number of seconds from {MIN_TIMEOUT_S:g} to "
+            f"{MAX_TIMEOUT_S:,.0f}, got {found}; pass e.g. timeout=600 (or a "
+            f"datetime.timedelta), or set {TIMEOUT_ENV}=600"
         )
     return datetime.timedelta(seconds=seconds)
 

@@ -5,8 +5,9 @@ Two checks, one cheap and complete, one exact about structure:
 - :class:`Snapshot` holds the identity of everything a replica copies from its source module:
   every value of every module's ``__dict__`` (plain attributes, training flags, the tables
   themselves), the contents of its parameter, buffer, child and hook tables, the names in the
-  first three, and each parameter's and buffer's storage address (``p.data = t``,
-  ``b.set_(t)`` and ``torch.utils.swap_tensors`` keep the tensor object but move its data;
+  first three and in the module's dictionary, and each parameter's and buffer's storage
+  address (``p.data = t``, ``b.set_(t)`` and ``torch.utils.swap_tensors`` keep the tensor
+  object but move its data;
   compared where a replica holds a copy: a set whose replicas share every parameter object and
   hold no buffer sees new data through the tensor itself).
   ``Snapshot.same`` first reads the write stamps of every table (``_common.stamps``: one
@@ -159,6 +160,7 @@ class _ModuleState:
         "cls",
         "counted",
         "d",
+        "keyed",
         "keys",
         "lens",
         "loose",
@@ -187,7 +189,10 @@ class _ModuleState:
         self.counted: list[Any] = [d, *named, *hooks]
         self.lens = list(map(len, self.counted))
         self.vals = list(chain.from_iterable(map(_VALUES, self.valued)))
-        self.keys = list(chain.from_iterable(self.named))
+        # The names too: of the named tables, and of the module's own dictionary (an attribute
+        # deleted and another set to the same object keeps every value and the length).
+        self.keyed: list[dict[Any, Any]] = [d, *named]
+        self.keys = list(chain.from_iterable(self.keyed))
         # The tables that are not plain dictionaries (hook tables are ``OrderedDict``s), read
         # in their own order: ``dict.values`` reads the storage, which ``move_to_end`` keeps.
         self.loose: list[Iterable[Any]] = [
@@ -213,7 +218,7 @@ class _ModuleState:
             and module.__dict__ is self.d
             and list(map(len, self.counted)) == self.lens
             and all(map(operator.is_, chain.from_iterable(map(_VALUES, self.valued)), self.vals))
-            and all(map(operator.is_, chain.from_iterable(self.named), self.keys))
+            and all(map(operator.is_, chain.from_iterable(self.keyed), self.keys))
             and all(map(operator.is_, chain.from_iterable(self.loose), self.loose_vals))
             and _ptrs(self.tensors) == self.ptrs
         )
@@ -233,11 +238,11 @@ class Snapshot:
         "_classes",
         "_counted",
         "_dicts",
+        "_keyed",
         "_lens",
         "_loose",
         "_loose_values",
         "_modules",
-        "_named",
         "_objects",
         "_ptrs",
         "_root",
@@ -249,7 +254,7 @@ class Snapshot:
         "_values",
         "_views",
     )
-    # (``_views``: the live views of every table's values, then of the named tables' keys, in
+    # (``_views``: the live views of every table's values, then of the keyed tables' keys, in
     # the order of ``_values``: one flat list, read by one ``chain`` in ``same``. ``_stamps``:
     # the write stamps of every table, where the interpreter has them; ``_loose``: the views
     # of the tables that are not plain dictionaries (a hook table is an ``OrderedDict``, whose
@@ -279,13 +284,13 @@ class Snapshot:
             len(before) == len(self._counted) and all(map(operator.is_, before, self._counted))
         ):
             self._stamps = None  # other tables now: made again at the next full comparison
-        self._named = list(chain.from_iterable(s.named for s in states))
+        self._keyed = list(chain.from_iterable(s.keyed for s in states))
         self._lens = list(chain.from_iterable(s.lens for s in states))
         # Live views of the same dictionaries: read in ``same`` without a call per dictionary
         # (a view shows its dictionary's values, or keys, as they are now).
         self._views: list[Iterable[Any]] = [
             *map(_VALUES, self._valued),
-            *map(dict.keys, self._named),
+            *map(dict.keys, self._keyed),
         ]
         self._values = [
             *chain.from_iterable(s.vals for s in states),

@@ -271,6 +271,15 @@ def _check_options(opts: TrainOptions) -> None:
             "--strategy dp --devices cpu,cpu (the replicas of one process synchronise on the "
             "CPU), or --batchnorm"
         )
+    if opts.strategy == "ddp":
+        # Every rank reads it when it meets the others: a bad value is a usage error here, in
+        # one line, not a traceback from each worker after the launch.
+        from dataparallel.distributed import resolve_timeout
+
+        try:
+            resolve_timeout(None)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if opts.plot:
         require_matplotlib()
     check_outputs(opts)
