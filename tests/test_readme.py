@@ -77,9 +77,20 @@ GPU_ONLY = {
 
 
 # What ``make`` hands its recipes: a ``make test PYTHON=... CONSTRAINTS=...`` that runs this
-# suite would pass its variables on to every ``make`` a test runs (MAKEFLAGS), so the README's
-# ``make train`` would set up another venv than a reader's shell gets.
-_MAKE_ENV = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+# suite exports its command-line variables and passes them on to every ``make`` a test runs
+# (MAKEFLAGS), so the README's ``make train`` would set up another venv than a reader's shell
+# gets. The Makefile's own variables go too.
+_MAKE_ENV = (
+    "MAKEFLAGS",
+    "MFLAGS",
+    "MAKELEVEL",
+    "MAKEOVERRIDES",
+    "PYTHON",
+    "VENV",
+    "CONSTRAINTS",
+    "PIP_ARGS",
+    "ARGS",
+)
 
 
 def _fresh_shell_env() -> dict[str, str]:
