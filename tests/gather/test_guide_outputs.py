@@ -59,6 +59,13 @@ class Classifier(nn.Module):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
+class Targets(Classifier):
+    """The classifier with its targets passed as ``y``: no labels to read the loss from."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:  # type: ignore[override]
+        return super().forward(x, y)
+
+
 def _calls(run: Callable[[], Any], times: int = 1) -> tuple[list[Any], list[str]]:
     """``run()`` called ``times`` times, with every warning recorded (Python's filter off)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -121,12 +128,17 @@ def test_one_sample_losses_warn_under_their_path_and_a_mean_rule_silences(
     n = len(devices)
     x, labels = torch.randn(n, 4), torch.arange(n) % 3
     expected = Classifier()(x, labels)
+    # A call that passes labels says what its loss is (a mean over the chunk's labels)
     (out,), messages = _calls(lambda: dp.DataParallel(Classifier(), devices)(x, labels))
+    assert_close_rel(out.loss, expected.loss)
+    assert _squeeze_warnings(messages) == []
+    # The same targets under another name: the 0-dim output could be a squeezed one
+    (out,), messages = _calls(lambda: dp.DataParallel(Targets(), devices)(x, labels))
     assert_close_rel(out.loss, expected.loss)  # a mean loss: the mean is the one-device loss
     found = _squeeze_warnings(messages)
     assert len(found) == 1 and found[0].startswith("output['loss']: "), messages
     assert "output_rules={\"output['loss']\": 'mean'}" in found[0]
-    model = dp.DataParallel(Classifier(), devices, output_rules={"output['loss']": "mean"})
+    model = dp.DataParallel(Targets(), devices, output_rules={"output['loss']": "mean"})
     (out,), messages = _calls(lambda: model(x, labels))
     assert messages == []
     assert_close_rel(out.loss, expected.loss)

@@ -50,13 +50,19 @@ def _uneven(batch: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
-def test_default_sample_weighting_is_not_exact(devices: list[str], batch: int) -> None:
-    """Why the options below exist: chunk-size weighting of token means is close, not equal."""
+def test_the_default_weighs_by_label_tokens(devices: list[str], batch: int) -> None:
+    """By default a call that passes labels weighs each chunk's loss by its label tokens
+    (issue 49): exact with nothing set. A chunk-size weighting, asked for with
+    scalar_weights, is close, not equal: why the rule exists."""
     data = _uneven(batch)
-    model = tiny_gpt2()
-    ref = model(**data, use_cache=False).loss
-    out = dp.DataParallel(model, devices)(**data, use_cache=False).loss
-    assert _rel(out.detach(), ref.detach()) > 1e-4
+    ref = tiny_gpt2()
+    par = copy.deepcopy(ref)
+    loss_ref = ref(**data, use_cache=False).loss
+    loss_par = dp.DataParallel(par, devices)(**data, use_cache=False).loss
+    _compare_run("token loss: default", ref, par, loss_ref, loss_par)
+    by_size = dp.DataParallel(ref, devices, scalar_weights=lambda a, kw: len(kw["labels"]))
+    out = by_size(**data, use_cache=False).loss
+    assert _rel(out.detach(), loss_ref.detach()) > 1e-4
 
 
 @pytest.mark.parametrize(("devices", "batch"), LAYOUTS)

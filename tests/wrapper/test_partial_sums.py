@@ -70,7 +70,7 @@ class MeanLoss(nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> Any:
         logits = self.head(self.emb(ids).mean(1))
-        return {"loss": nn.functional.cross_entropy(logits, labels[:, 0] % 3), "logits": logits}
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
 class NoCount(nn.Module):
@@ -178,7 +178,8 @@ def test_explain_says_the_count_is_whole_and_its_outputs_summed() -> None:
     assert plan.notes and "receives the whole count" in plan.notes[0]
     assert "note: num_items_in_batch=" in str(plan)
     assert "(args[2])" in wrapper.explain(ids, labels, 13).notes[0]  # by position
-    assert not wrapper.explain(ids, labels).notes
+    notes = wrapper.explain(ids, labels).notes  # no count: the labels' rule alone
+    assert len(notes) == 1 and notes[0].startswith("labels: ")
     assert not dp.DataParallel(TokenLM(), ["cpu"]).explain(ids, labels, 13).notes  # one chunk
 
 
@@ -206,7 +207,8 @@ def test_the_default_still_reads_mean_and_survives_copies() -> None:
 def test_a_loss_that_ignores_the_count_keeps_its_mean(devices: list[str]) -> None:
     ref_model = MeanLoss()
     model = copy.deepcopy(ref_model)
-    ids, labels, count = _batch()
+    ids, tokens, count = _batch()
+    labels = tokens[:, 0] % 3  # one class per sample, as a sequence classifier takes
     ref = ref_model(ids, labels, num_items_in_batch=count)
     ref["loss"].backward()
     out = dp.DataParallel(model, devices)(ids, labels, num_items_in_batch=count)

@@ -27,7 +27,16 @@ class CallbackContext:
 
 class TaggedBatchNorm(nn.BatchNorm1d):
     """The shape of SynchronizedBatchNorm1d: tagged by the callback; once tagged, a train-mode
-    forward of copy 0 waits for the other copies (here with a timeout instead of forever)."""
+    forward of copy 0 waits for the other copies (here with a timeout instead of forever).
+    As the library's, it starts untagged (``_is_parallel = False`` in ``__init__``: issue 49,
+    item 4, where the tag on copy 0 was written back to the module), and counts its forwards
+    (a write of the forward's own, which must land)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self._is_parallel = False
+        self._parallel_id: int | None = None
+        self.forwards = 0
 
     def __data_parallel_replicate__(self, ctx: CallbackContext, copy_id: int) -> None:
         self._is_parallel = True
@@ -37,6 +46,7 @@ class TaggedBatchNorm(nn.BatchNorm1d):
         self._barrier = ctx.barrier  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
         if getattr(self, "_is_parallel", False) and self.training:
             self._barrier.wait(timeout=5)  # the master waits for its slaves
         return super().forward(x)
@@ -87,7 +97,9 @@ def _check(wrapper: dp.DataParallel, net: nn.Sequential) -> None:
         out.sum().backward()
     assert out.shape == (8, 2)
     bn: Any = net[1]
-    assert not getattr(bn, "_is_parallel", False)  # before: True, and the next line hung
+    assert bn._is_parallel is False  # before: True, and the next line hung
+    assert bn._parallel_id is None
+    assert bn.forwards == 2  # the forward's own write lands, once per call
     assert set(vars(bn)) == set(before)
     assert int(bn.num_batches_tracked) == 2  # running statistics still land on the module
     net.train()

@@ -114,13 +114,34 @@ def concat_error(
     values: list[Any], where: str, dim: int, sizes: Sequence[int] | None
 ) -> ValueError:
     """The error for tensors that cannot be concatenated: every replica's shape, as
-    accelerate lists every process's."""
+    accelerate lists every process's; where they differ along one other dimension only, the
+    usual cause (a sequence padded to its own chunk's longest) and its fix."""
     return ValueError(
         f"{where}: cannot concatenate the replicas' outputs along dim {dim}: "
         f"{_shapes(values, sizes)}; expected the same shape on every replica except along dim "
-        f"{dim}. Return the same shape from every replica, say where its batch is with "
-        f"output_rules={{{where!r}: dim}}, or use gather=False to handle the per-replica "
-        f"outputs yourself"
+        f"{dim}. {_padded_hint(values, dim)}Return the same shape from every replica, say "
+        f"where its batch is with output_rules={{{where!r}: dim}}, or use gather=False to "
+        f"handle the per-replica outputs yourself"
+    )
+
+
+def _padded_hint(values: list[Any], dim: int) -> str:
+    """What to say when the shapes differ along one dimension other than ``dim``: each chunk
+    padded its sequences to its own longest (``pad_packed_sequence`` without
+    ``total_length``)."""
+    shapes = [tuple(getattr(v, "shape", ())) for v in values]
+    ndim = len(shapes[0])
+    if ndim < 2 or any(len(s) != ndim for s in shapes) or not -ndim <= dim < ndim:
+        return ""
+    other = [d for d in range(ndim) if d != dim % ndim and len({s[d] for s in shapes}) > 1]
+    if len(other) != 1:
+        return ""
+    d = other[0]
+    return (
+        f"They differ along dim {d} only ({[s[d] for s in shapes]}): each chunk padded its "
+        f"sequences to its own longest, as pad_packed_sequence does without total_length; "
+        f"pad to the batch's length, pad_packed_sequence(..., total_length=x.shape[{d}]) with "
+        f"x the padded input (the guide's packed sequences). "
     )
 
 

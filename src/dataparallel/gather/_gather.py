@@ -14,7 +14,7 @@ moves tensors to the target device and rebuilds only containers whose contents m
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -40,6 +40,7 @@ from dataparallel.gather._output_rules import (
     warn_unmatched,
 )
 from dataparallel.gather._outputs import (
+    is_loss_path,
     to_target,
 )
 from dataparallel.gather._walk import walk
@@ -63,9 +64,12 @@ class _Context:
     """What every step of one gather needs; built once per call."""
 
     __slots__ = (
+        "_labels",
+        "_weigh",
         "count",
         "counts",
         "dim",
+        "labelled",
         "module",
         "origins",
         "roles",
@@ -89,6 +93,7 @@ class _Context:
         scalars: str,
         n: int,
         scalar_weights: tuple[float, ...] | None = None,
+        weigh: Callable[[], Sequence[float] | None] | None = None,
     ) -> None:
         self.target = target
         self.dim = dim
@@ -100,6 +105,11 @@ class _Context:
             self.counts = scalar_weights  # e.g. each chunk's count of labelled tokens
         self.total = sum(self.counts)
         self.weights = tuple(c / self.total for c in self.counts)
+        # The wrapper's count of each chunk's label tokens (a call that passes labels), read
+        # only when the loss's mean needs it (one sync per call on CUDA): see ``counts_at``.
+        self._weigh = weigh
+        self._labels: tuple[float, ...] | None = None
+        self.labelled = weigh is not None
         self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
@@ -116,6 +126,25 @@ class _Context:
         # (path, rule) of 0-dim outputs of 1-sample chunks: a loss or a squeezed per-sample
         # output, which no rule can tell apart (one warning per call, after the walk)
         self.squeezed: list[tuple[str, str]] = []
+
+    def counts_at(self, path: Any) -> tuple[float, ...]:
+        """Each replica's weight in the ``"mean"`` of the output at ``path``: its chunk's count
+        of label tokens for the loss of a call that passes labels (``is_loss_path``), else
+        ``counts`` (chunk sizes, or the caller's ``scalar_weights``)."""
+        if self._weigh is None or not is_loss_path(path):
+            return self.counts
+        if self._labels is None:
+            found = self._weigh()
+            self._labels = tuple(found) if found is not None and sum(found) > 0 else self.counts
+        return self._labels
+
+    def weights_at(self, path: Any) -> tuple[float, ...]:
+        """``counts_at(path)`` over their sum: the factors of that output's ``"mean"``."""
+        counts = self.counts_at(path)
+        if counts is self.counts:
+            return self.weights
+        total = sum(counts)
+        return tuple(c / total for c in counts)
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
         """The module's RNN hidden-state shapes, read once per gather, on first need."""
@@ -217,6 +246,7 @@ def gather_outputs(
     origins: Any = None,
     warned: set[tuple[str, ...]] | None = None,
     count: Any = None,
+    weigh: Callable[[], Sequence[float] | None] | None = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -231,6 +261,8 @@ def gather_outputs(
     wrapper's set of warnings already given, so that the walk's warnings show once per wrapper.
     ``count`` (a ``dataparallel.gather._counted.CountRecord``) is the call's when each replica
     received a marked ``num_items_in_batch``: outputs computed from it are summed (``_counted``).
+    ``weigh`` (no ``scalar_weights`` given) returns each replica's weight in a ``"mean"``, read
+    only when a mean needs it: the wrapper's count of each chunk's label tokens.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -249,7 +281,13 @@ def gather_outputs(
             None if scalar_weights is None else check_scalar_weights(scalar_weights, len(outputs))
         )
         ctx = _Context(
-            target, dim, None if sizes is None else tuple(sizes), scalars, len(outputs), weights
+            target,
+            dim,
+            None if sizes is None else tuple(sizes),
+            scalars,
+            len(outputs),
+            weights,
+            None if weights is not None else weigh,
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
         ctx.origins, ctx.warned = origins, warned
@@ -287,7 +325,8 @@ def _too_deep() -> ValueError:
 def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | None:
     """How ``v``, the output of a chunk of ``size`` samples, joins rule 1's concatenation along
     ``dim`` on ``target``: ``None`` when it cannot (not a plain tensor of ``size`` along ``dim``,
-    or also shaped like an RNN state: gather's rules decide), else whether it must move."""
+    or also shaped like an RNN state or a square matrix over the chunk: gather's rules decide),
+    else whether it must move."""
     if type(v) is not torch.Tensor:
         return None
     shape = v.shape  # (read once: each read builds a torch.Size)
@@ -296,6 +335,8 @@ def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | No
         return None
     if dim == 0 and ndim == 3 and shape[1] == size:
         return None  # an RNN state's shape too: gather's rule decides
+    if ndim == 2 and shape[0] == shape[1]:
+        return None  # a matrix over the chunk's samples, perhaps: gather's rules check
     if target == _CPU:  # a CPU tensor's device is the plain CPU: a flag, not an object to build
         return not v.is_cpu
     return bool(v.device != target)

@@ -18,7 +18,7 @@ import torch
 
 from dataparallel.gather._counted import check_unmarked
 from dataparallel.gather._output_rules import warn_even_count
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
+from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, is_loss_path, sum_all
 
 __all__ = ["gather_scalars"]
 
@@ -52,7 +52,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
             return sum_all(tensors)
-        return _tensor_mean(tensors, ctx)
+        return _tensor_mean(tensors, ctx.weights_at(path))
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
         return sum_all(plain)
@@ -60,7 +60,8 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return _gather_ints(values, plain, path, ctx)
     if all_equal(plain):
         return values[0]  # a constant keeps its type
-    return sum_all([v * c for v, c in zip(plain, ctx.counts, strict=True) if c]) / ctx.total
+    counts = ctx.counts_at(path)
+    return sum_all([v * c for v, c in zip(plain, counts, strict=True) if c]) / sum(counts)
 
 
 def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -87,8 +88,8 @@ def _check_squeezed(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     received (a buffer, a broadcast input)."""
     if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 for v in values):
         return  # Python numbers are counts or constants (_gather_ints), not squeezed tensors
-    if _one_value(values, ctx):
-        return
+    if _one_value(values, ctx) or (ctx.labelled and is_loss_path(path)):
+        return  # (a call that passes labels: its loss is a mean over the chunk's label tokens)
     summed = ctx.scalars == "sum" or not any(
         v.dtype.is_floating_point or v.dtype.is_complex
         if isinstance(v, torch.Tensor)
@@ -128,10 +129,10 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
 
 
-def _tensor_mean(tensors: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
+def _tensor_mean(tensors: list[torch.Tensor], weights: tuple[float, ...]) -> torch.Tensor:
     # Weights (not counts) multiply, so a float16 loss cannot overflow.
     # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
-    mean = sum_all([t * w for t, w in zip(tensors, ctx.weights, strict=True) if w])
+    mean = sum_all([t * w for t, w in zip(tensors, weights, strict=True) if w])
     if any(t.requires_grad for t in tensors):
         return mean  # a loss: its gradient must be the weighted one, even where values agree
     first = tensors[0]

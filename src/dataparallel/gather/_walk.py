@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -43,10 +43,12 @@ from dataparallel._common.kinds import (
 )
 from dataparallel._common.packed import gather_packed, is_packed
 from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuild_sequence
+from dataparallel._common.tree import leaves
 from dataparallel._common.warn import warn_user
 from dataparallel.gather._counted import gather_counted, is_counted, unmark
 from dataparallel.gather._output_rules import (
     apply_rule,
+    check_chunk_matrix,
     hidden_state,
     note_roles,
 )
@@ -106,6 +108,10 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rules 1 and 3 for tensors and ndarrays (0-dim ones are scalars, rule 2)."""
     if all(v.ndim == 0 for v in values):
         return gather_scalars(values, path, ctx)
+    if _one_per_replica(values, ctx):
+        if ctx.scalars == "stack":  # torch's vector: one value per replica
+            return torch.cat([v.to(ctx.target) for v in values])
+        return gather_scalars(values, path, ctx)  # shape (1,) kept: one device's
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         target = ctx.target
@@ -121,12 +127,26 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if ctx.sizes is not None:
             check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
         _warn_concat(values, path, ctx)
+    elif is_tensor and ctx.dim in (0, -2):  # (a CLIP similarity matrix inside forward)
+        check_chunk_matrix(values, fmt(path), cast(tuple[int, ...], ctx.sizes), ctx.warned)
     try:
         if is_tensor:
             return torch.cat(values, ctx.dim)
         return np.concatenate(values, axis=ctx.dim)
     except (RuntimeError, ValueError) as exc:
         raise concat_error(values, fmt(path), ctx.dim, ctx.sizes) from exc
+
+
+def _one_per_replica(values: list[Any], ctx: _Ctx) -> bool:
+    """Tensors of shape ``(1,)`` from every replica, whatever its chunk size, where a chunk has
+    more than one sample: not batched, but a scalar kept in one dimension (VQ-VAE-2's
+    ``loss.unsqueeze(0)``, the torch-era idiom for DataParallel's vector of losses). Rule 2
+    then gathers it as a 0-dim scalar, keeping the shape one device returns, ``(1,)``.
+    Where every chunk has one sample the shape cannot tell a per-sample output: rule 1."""
+    sizes = ctx.sizes
+    if sizes is None or all(n == 1 for n in sizes) or ctx.dim not in (0, -1):
+        return False
+    return all(type(v) is torch.Tensor and v.shape == (1,) for v in values)
 
 
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
@@ -253,7 +273,22 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
                 and item.shape[dim] == size
             ):
                 return None  # a batched tensor: the list is structure (torch's reading)
+        if _all_batched_inside(value, dim, size):
+            return None  # per-layer (h, c) pairs with the batch on dim 1: structure
     return found
+
+
+def _all_batched_inside(items: list[Any], dim: int, size: int) -> bool:
+    """Whether ``items`` are containers (tuples, lists, dicts) whose every tensor has ``size``
+    along ``dim``, at least one each: an RNN's per-layer states, not per-sample records (whose
+    tensors, boxes and scores, hold each sample's own count)."""
+    for item in items:
+        if isinstance(item, (torch.Tensor, np.ndarray)) or type(item) in ATOMS:
+            return False
+        tensors = [x for x in leaves(item) if isinstance(x, torch.Tensor)]
+        if not tensors or any(not -t.ndim <= dim < t.ndim or t.shape[dim] != size for t in tensors):
+            return False
+    return True
 
 
 def _any_batched(tensors: list[torch.Tensor], dim: int, size: int) -> bool:

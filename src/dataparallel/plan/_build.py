@@ -162,6 +162,7 @@ def build_plan(
         inputs=inputs,
         kwargs=kwargs,
         slices=slices,
+        per_call=compiler.per_call,
         warning_key=tuple(path for path, _ in compiler.mismatched)
         + tuple(note.split(":", 1)[0] for note in compiler.notes),
     )

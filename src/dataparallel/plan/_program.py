@@ -217,6 +217,8 @@ class Plan:
     # what a caller makes once per kept plan (``DataParallel``'s warm step). ``None`` in a plan
     # made for one call.
     memo: dict[str, Any] | None = field(default=None, repr=False)
+    # Made for its call alone, never kept: a rule read values the cache's key does not hold.
+    per_call: bool = field(default=False, repr=False)
 
     @property
     def entries(self) -> list[Entry]:

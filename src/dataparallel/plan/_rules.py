@@ -30,7 +30,7 @@ from dataparallel.plan._program import (
     SplitCut,
     Step,
 )
-from dataparallel.plan._votes import Info, is_array
+from dataparallel.plan._votes import Collector, Info, is_array
 
 __all__ = ["Compiler", "holds_arrays"]
 
@@ -59,6 +59,9 @@ class Compiler:
         self.entries: list[tuple[str, str, str, Any]] = []
         self.mismatched: list[tuple[str, str]] = []  # (path, what was found)
         self.notes: list[str] = []
+        # A step read from values a cached plan's key does not hold (the tensors inside a
+        # sequence read as a container): the plan is then made for its call alone.
+        self.per_call = False
 
     def entry(self, info: Info, rule: str, why: str) -> None:
         self.entries.append((info.path, rule, why, info.obj))
@@ -157,9 +160,25 @@ class Compiler:
             self.entry(info, PER_SAMPLE, why)
             return PerSampleCut(info.path, self.cast, holds_arrays(info.obj, info.types))
         if contains_array(info.obj):
+            inside = self._container(info)
+            if inside is not None:
+                return inside
             self.mismatch(info.path, f"a list of {n} items holding tensors or ndarrays")
         self.entry(info, BROADCAST, f"a sequence of {n} items, not the batch size {b}")
         return BroadcastCut(info.path, cast=self.cast, moves=None)
+
+    def _container(self, info: Info) -> Step | None:
+        """A list whose length is not the batch size, every tensor or ndarray inside it with
+        the batch size along ``dim`` (an RNN's per-layer hidden states ``[(h0, c0), (h1,
+        c1)]``, batch on dim 1): structure, each tensor split inside, as torch's scatter does.
+        ``None`` where anything inside votes for another size (then it is broadcast, with the
+        mismatch warning)."""
+        inner = Collector(self.dim)
+        children = [inner.visit(item, f"{info.path}[{i}]") for i, item in enumerate(info.obj)]
+        if not inner.votes or any(vote.size != self.batch for vote in inner.votes):
+            return None
+        self.per_call = True  # the key of a kept plan does not hold the shapes inside
+        return Rebuild(info.path, LIST, [self.compile(child) for child in children])
 
     def _packed(self, info: Info) -> Step:
         n = info.size

@@ -281,7 +281,7 @@ class PlanCache:
                 except Exception:  # a key that cannot be compared (a dict keyed by a tensor)
                     key = None
         plan = build_plan(inputs, kwargs, devices, dim, **options)
-        if key is not None:
+        if key is not None and not plan.per_call:
             if one_device and _moves_nothing(plan):
                 plan.program.identity = True  # type: ignore[union-attr]
             template = plan.template(partial(build_plan, devices=devices, dim=dim, **options))

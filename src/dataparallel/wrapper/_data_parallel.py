@@ -120,7 +120,9 @@ class DataParallel(nn.DataParallel):
             arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
             in place of its size: for a loss computed in ``forward`` as a mean over tokens,
             return the chunk's count of labelled tokens and the gathered loss is the
-            one-device one. Ignored when ``gather`` is overridden.
+            one-device one. Without it, a call that passes integer ``labels`` weighs its
+            loss by each chunk's labels other than -100 (``dataparallel.wrapper._labels``);
+            given, it replaces that rule. Ignored when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
@@ -465,7 +467,15 @@ class DataParallel(nn.DataParallel):
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
-        return explain_call(module, inputs, kwargs, self.device_ids, self.dim, self.options)
+        return explain_call(
+            module,
+            inputs,
+            kwargs,
+            self.device_ids,
+            self.dim,
+            self.options,
+            weighted=self.scalar_weights is not None,
+        )
 
     # -- checks -----------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ __all__ = [
     "count_position",
     "find_count",
     "mark_chunks",
+    "param_position",
     "summing_note",
 ]
 
@@ -41,18 +42,49 @@ __all__ = [
 # that pickles as this name: kept, so those load.)
 DEFAULT_SCALARS = "mean"
 
-# id of a forward function -> (a weak reference to it, the position of COUNT_KEYWORD among its
-# positional parameters or -1): weak, so a forward function (and what its closure holds) is
-# never kept alive by this table; keyed by id, so a lookup makes no weak reference (a
-# WeakKeyDictionary makes one per call). An id reused by a new function fails the identity check.
-_POSITIONS: dict[int, tuple[weakref.ref[Any], int]] = {}
+# (id of a forward function, a parameter name) -> (a weak reference to the function, the
+# position of that name among its positional parameters or -1): weak, so a forward function
+# (and what its closure holds) is never kept alive by this table; keyed by id, so a lookup
+# makes no weak reference (a WeakKeyDictionary makes one per call). An id reused by a new
+# function fails the identity check.
+_POSITIONS: dict[tuple[int, str], tuple[weakref.ref[Any], int]] = {}
 _MAX_POSITIONS = 4096
+
+
+def param_position(module: nn.Module, name: str) -> int | None:
+    """Where ``module``'s ``forward`` takes the parameter ``name`` by position, if it does.
+
+    Read once per forward function and name: only calls with positional arguments ask.
+
+    >>> class Net(nn.Module):
+    ...     def forward(self, ids, labels, num_items_in_batch=None):
+    ...         return ids
+    >>> param_position(Net(), "labels"), param_position(nn.Linear(1, 1), "labels")
+    (1, None)
+    """
+    forward = module.forward
+    key = getattr(forward, "__func__", forward)
+    kept = _POSITIONS.get((id(key), name))
+    found = kept[1] if kept is not None and kept[0]() is key else None
+    if found is None:
+        found = -1
+        try:
+            params = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):  # no signature to read: the value is a keyword
+            params = []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for i, p in enumerate(positional):
+            if p.name == name:
+                found = i
+        if len(_POSITIONS) >= _MAX_POSITIONS:
+            _POSITIONS.clear()
+        with contextlib.suppress(TypeError):  # a callable that takes no weak reference
+            _POSITIONS[(id(key), name)] = (weakref.ref(key), found)
+    return None if found < 0 else found
 
 
 def count_position(module: nn.Module) -> int | None:
     """Where ``module``'s ``forward`` takes ``num_items_in_batch`` by position, if it does.
-
-    Read once per forward function: only calls with positional arguments ask.
 
     >>> class Net(nn.Module):
     ...     def forward(self, ids, labels, num_items_in_batch=None):
@@ -60,25 +92,7 @@ def count_position(module: nn.Module) -> int | None:
     >>> count_position(Net()), count_position(nn.Linear(1, 1))
     (2, None)
     """
-    forward = module.forward
-    key = getattr(forward, "__func__", forward)
-    kept = _POSITIONS.get(id(key))
-    found = kept[1] if kept is not None and kept[0]() is key else None
-    if found is None:
-        found = -1
-        try:
-            params = list(inspect.signature(forward).parameters.values())
-        except (TypeError, ValueError):  # no signature to read: the count is a keyword
-            params = []
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        for i, p in enumerate(positional):
-            if p.name == COUNT_KEYWORD:
-                found = i
-        if len(_POSITIONS) >= _MAX_POSITIONS:
-            _POSITIONS.clear()
-        with contextlib.suppress(TypeError):  # a callable that takes no weak reference
-            _POSITIONS[id(key)] = (weakref.ref(key), found)
-    return None if found < 0 else found
+    return param_position(module, COUNT_KEYWORD)
 
 
 def find_count(

@@ -100,7 +100,20 @@ _VALUES = frozenset({int, float, bool, complex, str, bytes, type(None)})
 _MODULE_NAMES = frozenset(nn.Module().__dict__)
 
 
-def copy_writes_back(replica: nn.Module, module: nn.Module) -> None:
+def plain_attributes(replica: nn.Module) -> list[dict[str, Any]]:
+    """Each module of ``replica``'s plain attributes of immutable values, as they are now: what
+    ``copy_writes_back`` compares with after the forward, when something other than the module
+    (a ``replicate`` override, its ``__data_parallel_replicate__`` callbacks) wrote the replica
+    before it ran."""
+    return [
+        {k: v for k, v in m.__dict__.items() if type(v) in _VALUES and k not in _MODULE_NAMES}
+        for m in replica.modules()
+    ]
+
+
+def copy_writes_back(
+    replica: nn.Module, module: nn.Module, before: list[dict[str, Any]] | None = None
+) -> None:
     """Give the module what replica 0's forward wrote, after a call that did not run it as
     replica 0: its buffers and its plain attributes of immutable values (``self.calls += 1``).
 
@@ -115,7 +128,10 @@ def copy_writes_back(replica: nn.Module, module: nn.Module) -> None:
     running statistics without bumping their version; the cost (one comparison per buffer and
     per attribute) is paid only by calls whose replica 0 is not the module itself. Attributes:
     a replica starts each call with the module's values (replicate keeps them in sync), so a
-    value that differs after the forward is one the forward wrote.
+    value that differs after the forward is one the forward wrote. Where ``replicate`` is
+    overridden, its callbacks may write the replica before the forward (Synchronized-BatchNorm
+    tags it ``_is_parallel = True``): ``before`` (``plain_attributes`` taken just before the
+    forward) is then what a value is compared with, so only the forward's own writes land.
     """
     with torch.no_grad():
         for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
@@ -124,19 +140,31 @@ def copy_writes_back(replica: nn.Module, module: nn.Module) -> None:
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
                 mine.copy_(value)
-    for own, copy in zip(module.modules(), replica.modules(), strict=True):
+    olds = _each(before or [])  # (zip stops with the modules)
+    for own, copy, old in zip(module.modules(), replica.modules(), olds, strict=False):
         if own is copy:
             continue
         attributes = own.__dict__
+        base = attributes if old is None else old
         for name, value in copy.__dict__.items():
             if (
                 type(value) in _VALUES
                 and name in attributes
                 and name not in _MODULE_NAMES
-                and attributes[name] is not value
-                and attributes[name] != value
+                and base.get(name, _MISSING) is not value
+                and base.get(name, _MISSING) != value
             ):
                 attributes[name] = value  # (as the forward's own write: no __setattr__ hook)
+
+
+_MISSING = object()
+
+
+def _each(before: list[Any]) -> Any:
+    """``before``'s items, then ``None`` for ever (no snapshot: compare with the module)."""
+    yield from before
+    while True:
+        yield None
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:

@@ -29,7 +29,8 @@ from dataparallel.parallel_apply import apply_replicas, as_arguments, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas, serial_mark
 from dataparallel.scatter import take
-from dataparallel.wrapper._placement import copy_writes_back
+from dataparallel.wrapper._labels import label_weights
+from dataparallel.wrapper._placement import copy_writes_back, plain_attributes
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._steps import StepCall, step_rules
 
@@ -184,6 +185,10 @@ def apply_wave(
     alone = len(replicas) == 1 and replicas[0] is module
     options = w.__dict__.get("compile_options")  # (None in a wrapper from before)
     serial = serial_mark(replicas)  # replicate's mark, before compile= or a step wraps them
+    # What an override's callbacks wrote on replica 0 is not the forward's: never written back
+    own_replicate = steps.replicate or "replicate" in w.__dict__
+    first = replicas[0]
+    before = plain_attributes(first) if own_replicate and first is not module else None
     run = replicas if options is None else CompiledReplicas.of(w, options).wrap(replicas)
     if method is not None:  # train_step & co.: each replica runs its own method
         run = [StepCall(replica, method) for replica in replicas]
@@ -204,7 +209,7 @@ def apply_wave(
     else:
         outputs = apply_replicas(run, args, kws, devices, timers, sync, serial)
     if replicas[0] is not module and not later:  # a later wave's writes are dropped
-        copy_writes_back(replicas[0], module)
+        copy_writes_back(replicas[0], module, before)
     return outputs
 
 
@@ -228,6 +233,12 @@ def gather_all(
         return DeviceOutputs(outputs, devices, sizes)
     if steps.gather:
         return w.gather(outputs, w.output_device)
+    module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__, every call)
+    weigh = (
+        None
+        if weights or w.scalar_weights is not None or origins is None or method is not None
+        else label_weights(module, origins.args, origins.kwargs)  # a loss over label tokens
+    )
     return gather_outputs(
         outputs,
         w.output_device,
@@ -239,10 +250,11 @@ def gather_all(
         w.__dict__.get("output_rules")
         if method is None
         else step_rules(outputs[0], w.__dict__.get("output_rules")),
-        w._modules["module"],  # (past nn.Module.__getattr__, on every call)
+        module,
         origins,
         w.__dict__.get("_warned"),  # warnings shown once per wrapper
         count,
+        weigh,
     )
 
 
