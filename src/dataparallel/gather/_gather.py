@@ -325,8 +325,7 @@ def _too_deep() -> ValueError:
 def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | None:
     """How ``v``, the output of a chunk of ``size`` samples, joins rule 1's concatenation along
     ``dim`` on ``target``: ``None`` when it cannot (not a plain tensor of ``size`` along ``dim``,
-    or also shaped like an RNN state or a square matrix over the chunk: gather's rules decide),
-    else whether it must move."""
+    or also shaped like an RNN state: gather's rules decide), else whether it must move."""
     if type(v) is not torch.Tensor:
         return None
     shape = v.shape  # (read once: each read builds a torch.Size)
@@ -335,8 +334,6 @@ def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | No
         return None
     if dim == 0 and ndim == 3 and shape[1] == size:
         return None  # an RNN state's shape too: gather's rule decides
-    if ndim == 2 and shape[0] == shape[1]:
-        return None  # a matrix over the chunk's samples, perhaps: gather's rules check
     if target == _CPU:  # a CPU tensor's device is the plain CPU: a flag, not an object to build
         return not v.is_cpu
     return bool(v.device != target)

@@ -279,43 +279,24 @@ def note_roles(first: tuple[Any, ...], path: Any, ctx: Any) -> None:
         roles[(path, "[", 0)], roles[(path, "[", 1)] = "sequence", "state"
 
 
-def check_chunk_matrix(
-    values: list[Any], where: str, sizes: tuple[int, ...], warned: set[tuple[str, ...]] | None
-) -> None:
-    """Square matrices over each chunk's own samples: a similarity ``a @ b.t()`` computed
-    inside forward (CLIP's logits). Each replica sees only its chunk, so the replicas' blocks
-    are not one device's ``(B, B)`` matrix, and no gather makes them one: refused where the
-    chunks differ in size (their blocks cannot even be joined), warned once where they do not
-    (a per-sample output whose features happen to number the chunk size looks the same; the
-    ``output_rules`` entry that says so silences it). Both name the port that works."""
-    if not all(
+def check_chunk_matrix(values: list[Any], where: str, sizes: tuple[int, ...]) -> None:
+    """Square matrices over each chunk's own samples, of chunks that differ in size: a
+    similarity ``a @ b.t()`` computed inside forward (CLIP's logits). Each replica sees only
+    its chunk, so the blocks leave out every pair of samples on different devices and cannot
+    even be joined: refused, naming the port that works. Chunks of one size give blocks of one
+    shape, which no rule tells from a per-sample output whose features number the chunk size
+    (the guide says so)."""
+    if len(set(sizes)) < 2 or not all(
         v.ndim == 2 and v.shape[0] == v.shape[1] == n for v, n in zip(values, sizes, strict=True)
     ):
         return
     total = sum(sizes)
-    port = (
-        f"To port it, compute the matrix outside the wrapper: return its factors (the batched "
-        f"embeddings, each of the chunk's samples) and take a @ b.t() on the gathered ones, "
-        f"which is one device's ({total}, {total}) matrix and its gradients"
-    )
-    shapes = [tuple(v.shape) for v in values]
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"{where}: every replica returned a square matrix over its own chunk's samples "
-            f"(shapes {shapes} for chunk sizes {list(sizes)}), as a similarity a @ b.t() "
-            f"computed inside forward does; one device returns ({total}, {total}), and the "
-            f"chunks' blocks leave out every pair of samples on different devices. {port}"
-        )
-    key = ("chunk-matrix", where)
-    if warned is not None:
-        if key in warned:
-            return
-        warned.add(key)
-    warn_user(
+    raise ValueError(
         f"{where}: every replica returned a square matrix over its own chunk's samples "
-        f"(shapes {shapes}); if it is a similarity a @ b.t() computed inside forward, the "
-        f"result ({total}, {shapes[0][1]}) is not one device's ({total}, {total}): it leaves "
-        f"out every pair of samples on different devices. {port}. If its columns are features "
-        f"that happen to number the chunk size, output_rules={{{where!r}: 0}} says so and "
-        f"silences this"
+        f"(shapes {[tuple(v.shape) for v in values]} for chunk sizes {list(sizes)}), as a "
+        f"similarity a @ b.t() computed inside forward does; one device returns ({total}, "
+        f"{total}), and the chunks' blocks leave out every pair of samples on different "
+        f"devices. To port it, compute the matrix outside the wrapper: return its factors (the "
+        f"batched embeddings) and take a @ b.t() on the gathered ones, which is one device's "
+        f"({total}, {total}) matrix and its gradients"
     )

@@ -128,7 +128,7 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             check_chunk_sizes_of(values, lambda: fmt(path), ctx.dim, ctx.sizes)
         _warn_concat(values, path, ctx)
     elif is_tensor and ctx.dim in (0, -2):  # (a CLIP similarity matrix inside forward)
-        check_chunk_matrix(values, fmt(path), cast(tuple[int, ...], ctx.sizes), ctx.warned)
+        check_chunk_matrix(values, fmt(path), cast(tuple[int, ...], ctx.sizes))
     try:
         if is_tensor:
             return torch.cat(values, ctx.dim)
