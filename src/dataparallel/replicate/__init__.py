@@ -91,6 +91,7 @@ def _replicas_of(
     ``keep`` says so of the tree, or of the modules just refilled) when it has none for this
     structure."""
     entry = table.get(devices)
+    old = None
     if entry is not None:
         fills = entry.fills
         replicas = entry.current_replicas(module)
@@ -98,12 +99,14 @@ def _replicas_of(
             if entry.fills != fills and not keep(entry.modules(module), entry.refilled):
                 del table[devices]
             return replicas
-        del table[devices]
+        old = table.pop(devices)
     try:
         modules, _ = fingerprint(module)
     except Scripted:
         return replicate_scripted(module, devices)
     entry = Replicas(module, devices)
+    if old is not None:  # (a momentum update by ``.data =`` moves a parameter's data)
+        entry.writes.inherit(old.writes, old.params, entry.params)
     replicas = entry.current_replicas(module)
     if replicas is None:  # pragma: no cover - the structure changed while it was being built
         raise RuntimeError("module: its structure changed while its replicas were being built")

@@ -58,6 +58,7 @@ from dataparallel.replicate._records import (
     tensor_slots,
 )
 from dataparallel.replicate._sync import TensorSync
+from dataparallel.replicate._written import ForwardWrites
 
 __all__ = ["Replicas"]
 
@@ -168,6 +169,9 @@ class Replicas(TensorSync):
         self.current: list[torch.Tensor] = list(self.buffers)
         self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
+        # Shared parameters that forward writes (a momentum encoder): private copies for the
+        # replicas after the first, so each call writes them once (``_written``).
+        self.writes = ForwardWrites()
 
     # -- what changed ---------------------------------------------------------------------------
 
@@ -215,7 +219,7 @@ class Replicas(TensorSync):
 
         ``only``: the modules whose dictionaries must be refilled (``None``: all of them).
         """
-        per_device = self._sync_params()
+        per_device = self.writes.private(root.training, self._sync_params())
         buffers = self._current_buffers(root)
         self._sync_buffers(buffers)
         self.current = buffers
@@ -235,9 +239,9 @@ class Replicas(TensorSync):
         without buffers) has nothing of the kind: its replicas were installed with the
         parameters themselves, which a write past the snapshot's notice cannot replace.
         """
-        if not self.targets and not self.buffers:
+        if not self.targets and not self.buffers and not self.writes.pending(root.training):
             return self._roots(root)
-        per_device = self._sync_params()
+        per_device = self.writes.private(root.training, self._sync_params())
         self._sync_buffers(self.current)
         self._install(root, per_device)
         return self._roots(root)
