@@ -118,12 +118,15 @@ class Unwritten(nn.Module):
 
 
 def test_a_plain_network_still_trains_exactly_through_the_watched_call() -> None:
-    """The watched call copies every shared parameter, differentiably: gradients of the
-    replicas' copies reach the module's own parameters, as one device's."""
+    """The watched call leaves parameters trained by backprop shared (only those without grad
+    are copied and watched): gradients are one device's, and no copy is made."""
     ref = Unwritten()
     par = copy.deepcopy(ref)
     wrapper = dp.DataParallel(par, ["cpu", "cpu", "cpu"])
     x = torch.randn(5, 4)
+    seen: list[bool] = []
+    ident = id(par.lin.weight)  # (read here: inside forward, closures are rebound)
+    par.lin.register_forward_hook(lambda m, a, o: seen.append(id(m.weight) == ident))
     for _ in range(2):  # the watched call, then a plain one
         for m in (ref, par):
             m.zero_grad()
@@ -132,3 +135,28 @@ def test_a_plain_network_still_trains_exactly_through_the_watched_call() -> None
         for p, q in zip(par.parameters(), ref.parameters(), strict=True):
             assert p.grad is not None and q.grad is not None
             assert_close_rel(p.grad, q.grad)
+    assert seen == [True] * 6  # every replica computed with the module's own weight
+
+
+class Counter(nn.Module):
+    """An integer parameter (no grad) counted up in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = nn.Parameter(torch.zeros((), dtype=torch.long), requires_grad=False)
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.data += 1
+        return self.lin(x) * self.steps
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_an_integer_parameter_counted_in_forward_counts_calls(devices: list[str]) -> None:
+    model = Counter()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(5, 2)
+    for call in range(1, 5):
+        out = wrapper(x)
+        assert int(model.steps) == call
+        assert_close_rel(out, model.lin(x) * call)

@@ -10,26 +10,29 @@ separate GPUs, the update happens once, and every chunk is computed with it.
 
 So a set whose replicas share parameter tensors learns which of them forward writes. The first
 call in each training mode (``module.training``) gives every replica after the first its own
-copy of every shared parameter (a differentiable copy where grad is enabled and the parameter
-requires it, so gradients still reach the module's own), and the next sync compares each copy
-with its value before the call: a copy that changed (in place, through ``.data``, or by a
-``.data =`` assignment) marks its parameter written. From then on the replicas after the first
-get a fresh copy of each written parameter on every call; replica 0 (the module itself) writes
-the module's own, once. Parameters not written stay shared, at no cost; what a set learned
-passes to the set that replaces it (a ``.data =`` assignment moves the parameter's data, which
-rebuilds the set). A forward that writes
-a parameter only on later calls, never on the first call in its mode, is not seen (the guide
+copy of every shared parameter that does not require grad (a key encoder, an EMA teacher: a
+parameter trained by backprop and also written in forward would need autograd's leave), and
+the next sync reads which copies the call changed: in place, through ``.data``, or by a
+``.data =`` assignment. Since a write through ``.data`` bumps no version counter, each copy's
+float64 sum and norm are taken when it is made and compared then (no second copy is kept).
+From then on the replicas after the first get a fresh copy of each written parameter on every
+call; replica 0 (the module itself) writes the module's own, once. Parameters not written stay
+shared, at no cost; what a set learned passes to the set that replaces it (a ``.data =``
+assignment moves the parameter's data, which rebuilds the set). A forward that writes a
+parameter only on later calls, never on the first call in its mode, is not seen (the guide
 says so).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["ForwardWrites"]
 
-# (parameter slot, the replica's copy, its value before the call)
-_Watched = list[tuple[int, torch.Tensor, torch.Tensor]]
+# (parameter slot, the replica's copy, what it was when made: data pointer, version, sums)
+_Watched = list[tuple[int, torch.Tensor, tuple[int, int, torch.Tensor]]]
 
 
 class ForwardWrites:
@@ -63,8 +66,13 @@ class ForwardWrites:
             return per_device
         self._read_watch()
         watching = training not in self.learned
-        slots = self.shared if watching else self.written
+        if watching:  # parameters trained by backprop are left shared
+            slots = [i for i in self.shared if not per_device[0][i].requires_grad]
+        else:
+            slots = self.written
         if not slots:
+            if watching:
+                self.learned.add(training)
             return per_device
         watched: _Watched = []
         out = [per_device[0]]
@@ -74,7 +82,7 @@ class ForwardWrites:
                 copy = _private(mine[i])
                 mine[i] = copy
                 if watching:
-                    watched.append((i, copy, copy.detach().clone()))
+                    watched.append((i, copy, _state(copy)))
             out.append(mine)
         if watching:
             self.learned.add(training)
@@ -82,7 +90,10 @@ class ForwardWrites:
         return out
 
     def inherit(
-        self, old: ForwardWrites, old_params: list[torch.Tensor], params: list[torch.Tensor]
+        self,
+        old: ForwardWrites,
+        old_params: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
     ) -> None:
         """What the set this one replaces learned, by parameter: a ``.data =`` assignment in
         forward moves a parameter's data, which rebuilds the set on the next call."""
@@ -98,10 +109,7 @@ class ForwardWrites:
             return
         written = set(self.written)
         for i, copy, before in watched:
-            if i in written:
-                continue
-            now = copy.detach()
-            if now.shape != before.shape or now.dtype != before.dtype or not now.equal(before):
+            if i not in written and not _same_state(_state(copy), before):
                 written.add(i)
         self.written = sorted(written)
 
@@ -120,6 +128,23 @@ def _shared_slots(per_device: list[list[torch.Tensor]]) -> list[int]:
                 break
             seen.add(key)
     return shared
+
+
+def _state(tensor: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """What tells a copy was written: its data pointer (a ``.data =`` assignment), version (an
+    in-place write) and float64 sum and norm (a write through ``.data``, which bumps no
+    version)."""
+    data = tensor.detach()
+    if not (data.is_floating_point() or data.is_complex()):
+        data = data.to(torch.float64)  # (an integer parameter: a counter, with no grad)
+    sums = torch.stack(
+        [data.sum(dtype=torch.float64), torch.linalg.vector_norm(data, dtype=torch.float64)]
+    )
+    return tensor.detach().data_ptr(), tensor._version, sums
+
+
+def _same_state(now: tuple[int, int, torch.Tensor], before: tuple[int, int, torch.Tensor]) -> bool:
+    return now[:2] == before[:2] and bool(now[2].equal(before[2]))
 
 
 def _private(tensor: torch.Tensor) -> torch.Tensor:
