@@ -60,6 +60,7 @@ from dataparallel.wrapper._placement import (
 )
 from dataparallel.wrapper._read_through import names_of, owns, read_through
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
+from dataparallel.wrapper._saving import warn_prefixed_adapter
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
 from dataparallel.wrapper._warm import warm_call, warm_step
@@ -238,6 +239,11 @@ class DataParallel(nn.DataParallel):
             return
         super().__delattr__(name)
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's (``module.*`` keys); a peft module's saves drop them: said (``_saving``)."""
+        warn_prefixed_adapter(self)
+        return super().state_dict(*args, **kwargs)
+
     def _replicate_for_data_parallel(self) -> DataParallel:
         """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
         with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
@@ -252,8 +258,7 @@ class DataParallel(nn.DataParallel):
 
     def __getstate__(self) -> dict[str, Any]:
         # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
-        # starts with no last call, a lock of its own, no replicas and no device sentinels
-        # (made again at its first call). Kept plans are a cache, not state: made again too.
+        # starts with no last call, lock, replicas, sentinels or kept plans (made again).
         state = self.__dict__.copy()
         for name in _RUNTIME:
             state.pop(name, None)
@@ -467,15 +472,9 @@ class DataParallel(nn.DataParallel):
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
-        return explain_call(
-            module,
-            inputs,
-            kwargs,
-            self.device_ids,
-            self.dim,
-            self.options,
-            weighted=self.scalar_weights is not None,
-        )
+        weighted = self.scalar_weights is not None  # (they replace the labels' rule)
+        devices, dim = self.device_ids, self.dim
+        return explain_call(module, inputs, kwargs, devices, dim, self.options, weighted=weighted)
 
     # -- checks -----------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Code that reads a model's signature (transformers' ``Trainer`` drops every datas
 ``inspect.signature(model.forward)`` does not name; accelerate, PEFT and argument binders do
 the same) sees ``DataParallel.forward(*inputs, **kwargs)`` otherwise, and filters every input
 away. So ``inspect.signature(wrapper.forward)`` and ``inspect.signature(wrapper)`` name the
-module's parameters instead.
+module's parameters instead (a peft model's: its base model's, as ``Trainer`` reads them).
 
 ``inspect.signature`` of a bound method reads its ``__func__``, which for a plain method is
 the class's function, shared by every instance: a per-instance answer needs a per-instance
@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable
 from types import FunctionType, MethodType
 from typing import Any
+
+from dataparallel.wrapper._saving import is_peft_model
 
 __all__: list[str] = []
 
@@ -49,11 +51,24 @@ class _Signature:
         if module is None:
             return own
         try:
-            sig = inspect.signature(module.forward)
+            sig = inspect.signature(_inspected(module).forward)
         except (TypeError, ValueError):  # a builtin or C forward without a signature
             return own
         first = next(iter(own.parameters.values()))  # self, dropped from a bound method
         return sig.replace(parameters=[first, *sig.parameters.values()])
+
+
+def _inspected(module: Any) -> Any:
+    """The module whose ``forward`` tells which inputs ``module`` takes: a peft model's base
+    model (its own forward takes ``*args, **kwargs``), as transformers' ``Trainer`` reads a
+    peft model it is handed; the module itself otherwise."""
+    if not is_peft_model(module):
+        return module
+    base = getattr(module, "get_base_model", None)  # (PeftMixedModel has none)
+    if callable(base):
+        return base()
+    inner = getattr(getattr(module, "base_model", None), "model", None)
+    return module if inner is None else inner
 
 
 class PresentedForward:
