@@ -523,3 +523,28 @@ def test_a_bad_dist_timeout_is_one_line_before_the_launch(value: str) -> None:
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith(ERROR_PREFIX) and done.stderr.count("\n") == 1, done.stderr
         assert "DATAPARALLEL_DIST_TIMEOUT" in done.stderr and repr(value) in done.stderr
+
+
+def test_ddp_batchnorm_with_a_one_sample_batch_is_refused_up_front(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 51, item 7: rank 1's shard of digits (718 samples) in batches of 3 ends in one
+    sample, and BatchNorm ended the job there with 60 lines of tracebacks. Now one line and
+    exit 2 before any worker starts, naming a batch size that works."""
+    argv = ["train", "--strategy", "ddp", "--devices", "cpu", "--nproc-per-node", "2"]
+    code, _, err = _run([*argv, "--batchnorm", "--batch-size", "6", "--epochs", "1"], capfd)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "rank 1 a last batch of 1 sample" in err and "use --batch-size 8" in err
+
+
+def test_the_batch_size_the_refusal_names_has_no_lone_sample() -> None:
+    from dataparallel.app.demo.ddp import _lone_sample, check_batchnorm_batches
+    from dataparallel.app.demo.options import UsageError
+
+    assert _lone_sample(1437, 2, 6) == 1 and _lone_sample(1437, 2, 8) is None
+    check_batchnorm_batches(1437, 2, 8, "chunk")
+    check_batchnorm_batches(1437, 2, 6, "none")  # no BatchNorm: nothing to refuse
+    with pytest.raises(UsageError, match="--batch-size 8"):
+        check_batchnorm_batches(1437, 2, 6, "chunk")

@@ -44,7 +44,7 @@ from dataparallel.app.demo.report import progress_bar, progress_shown
 if TYPE_CHECKING:  # annotations only
     from dataparallel.app.demo.options import TrainOptions, TrainResult
 
-__all__ = ["ddp_train"]
+__all__ = ["check_batchnorm_batches", "ddp_train"]
 
 _T = TypeVar("_T")
 
@@ -105,6 +105,50 @@ def _step_totals(counts: list[int], sizes: list[int]) -> list[int]:
     ]
 
 
+def _lone_sample(n: int, world: int, batch_size: int) -> int | None:
+    """The first rank whose shard ends in a batch of one sample, or ``None``."""
+    counts, sizes = _rank_batches(n, world, batch_size)
+    for rank, (c, s) in enumerate(zip(counts, sizes, strict=True)):
+        if s > 0 and c % s == 1 and c > 1:
+            return rank
+    return None
+
+
+def check_batchnorm_batches(n: int, world: int, batch_size: int, batchnorm: str) -> None:
+    """Refuse, before any step, a ddp run whose BatchNorm would meet a batch of one sample.
+
+    Each rank normalises its own share of every global batch (``--batchnorm``), and torch's
+    BatchNorm refuses one sample in training ("Expected more than 1 value per channel"): a
+    rank whose shard ends in a one-sample batch would end the job at that step of the first
+    epoch, with a traceback from each rank. Said here in one line, with a batch size that
+    avoids it.
+
+    Raises:
+        UsageError: some rank's shard ends in a batch of one sample.
+    """
+    if batchnorm != "chunk" or world < 2:
+        return
+    rank = _lone_sample(n, world, batch_size)
+    if rank is None:
+        return
+    counts, sizes = _rank_batches(n, world, batch_size)
+    better = next(
+        (
+            b
+            for b in range(batch_size + 1, batch_size + 8 * world)
+            if _lone_sample(n, world, b) is None
+        ),
+        None,
+    )
+    fix = f"--batch-size {better}" if better is not None else "another --batch-size"
+    raise UsageError(
+        f"--batchnorm: under --strategy ddp on {world} processes, --batch-size {batch_size} "
+        f"gives rank {rank} a last batch of 1 sample in every epoch (its {counts[rank]} "
+        f"samples in batches of {sizes[rank]}), and BatchNorm cannot normalise one sample in "
+        f"training; use {fix}, or --strategy dp (each global batch normalised per chunk)"
+    )
+
+
 def _loss_scales(counts: list[int], sizes: list[int], world: int) -> list[float | None]:
     """Per step, what this run multiplies each rank's summed loss by, or None for the mean.
 
@@ -146,7 +190,10 @@ def ddp_train(opts: TrainOptions, out: TextIO) -> TrainResult | None:
 
         def setup() -> tuple[DemoData, tuple[int, int, float]]:
             data = load_data(opts)
-            return data, resolve_hyper(data, opts)
+            hyper = resolve_hyper(data, opts)
+            world = joined.world_size
+            check_batchnorm_batches(len(data.train_y), world, hyper[1], opts.batchnorm)
+            return data, hyper
 
         data, (epochs, batch_size, lr) = _agree(setup, joined.rank, joined.world_size)
         torch.manual_seed(opts.seed)

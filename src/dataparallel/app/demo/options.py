@@ -29,6 +29,7 @@ __all__ = [
     "check_finite_loss",
     "check_output_path",
     "check_outputs",
+    "continue_restarted",
     "load_data",
     "resolve_hyper",
     "train_result",
@@ -221,6 +222,32 @@ def check_output_path(option: str, path: str, *, replace: bool = False) -> None:
         raise UsageError(
             f"{option} {path!r}: expected a writable path, got {reason!r} writing there; {fix}"
         ) from exc
+
+
+# torchelastic's count of this job's worker restarts (0 at the first launch).
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def continue_restarted(opts: TrainOptions) -> TrainOptions:
+    """``opts`` for a worker that torchrun restarted (``--max-restarts``) after a failure:
+    where the job's ``--checkpoint`` file exists, the run continues from it, as ``--resume``
+    would, instead of refusing its own checkpoint as another run's.
+
+    At the first launch an existing file was refused (or, with ``--resume``, continued), so
+    the file a restart finds is this job's own, the last complete epoch. Except after
+    ``--overwrite``: the file may still be the replaced run's, if the first launch failed
+    before its first epoch; such a job starts over (and replaces it), never silently
+    continuing another run.
+    """
+    try:
+        restarts = int(os.environ.get(RESTART_COUNT, "0"))
+    except ValueError:
+        return opts
+    if restarts < 1 or opts.resume or opts.overwrite or not opts.checkpoint:
+        return opts
+    if not Path(opts.checkpoint).expanduser().is_file():
+        return opts  # (failed before its first checkpoint: it starts again)
+    return dataclasses.replace(opts, resume=True)
 
 
 def check_outputs(opts: TrainOptions) -> None:

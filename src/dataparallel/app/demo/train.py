@@ -36,7 +36,7 @@ from dataparallel.app.demo.checkpoint import (
     run_config,
 )
 from dataparallel.app.demo.data import DemoData
-from dataparallel.app.demo.ddp import ddp_train
+from dataparallel.app.demo.ddp import check_batchnorm_batches, ddp_train
 from dataparallel.app.demo.models import build_model
 from dataparallel.app.demo.options import (
     EpochStats,
@@ -46,6 +46,7 @@ from dataparallel.app.demo.options import (
     UsageError,
     check_finite_loss,
     check_outputs,
+    continue_restarted,
     load_data,
     resolve_hyper,
     train_result,
@@ -292,6 +293,7 @@ def train(opts: TrainOptions, out: TextIO | None = None) -> TrainResult | None:
     Raises:
         UsageError: a bad option, dataset or checkpoint.
     """
+    opts = continue_restarted(opts)
     _check_options(opts)
     stream = sys.stdout if out is None else out
     if opts.strategy == "ddp":
@@ -307,11 +309,14 @@ def run_train(opts: TrainOptions, argv: Sequence[str], out: TextIO | None = None
     in N workers through :func:`dataparallel.app.launch.launch`.
     """
     stream = sys.stdout if out is None else out
+    opts = continue_restarted(opts)  # a worker torchrun restarted continues its checkpoint
     _check_options(opts)
     try:
         if opts.strategy == "ddp" and opts.nproc_per_node > 1 and not _in_torchrun():
             data = load_data(opts)
-            resolve_hyper(data, opts)
+            batch_size = resolve_hyper(data, opts)[1]
+            n, world = len(data.train_y), opts.nproc_per_node
+            check_batchnorm_batches(n, world, batch_size, opts.batchnorm)  # one line, not N
             if opts.resume and opts.checkpoint:
                 load_checkpoint(opts.checkpoint)
             from dataparallel.app.launch import launch
