@@ -284,9 +284,13 @@ def init_process_group(
     where = f"{addr}:{port}"
     try:
         store, session = _job_store(addr, port, rank, world_size, timeout)
+        # torchrun's agent keeps its store across restarts: the workers it restarts (their
+        # sessions numbered from 0 again) meet under their attempt's prefix, as env:// does,
+        # never at the dead workers' addresses.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"dataparallel/session-{session}", store),
+            store=dist.PrefixStore(f"dataparallel/attempt-{attempt}/session-{session}", store),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
