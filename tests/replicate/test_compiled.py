@@ -130,6 +130,24 @@ def test_compile_on_one_device_compiles_the_module_itself() -> None:
     assert len(backend.graphs) == 1 and type(model) is nn.Sequential
 
 
+@pytest.mark.parametrize("devices", [["cpu"], CPU2, ["cpu", "cpu:1", "cpu:1"]], ids=str)
+def test_a_hook_added_after_the_first_call_runs_on_every_list(devices: list[str]) -> None:
+    """Issue 50, item 8: on a one-device list the compiled module itself ran its first graph
+    after a forward hook was registered (output off by 0.80); two and three replicas were
+    right. Every list recompiles on a hook added, and again on its removal."""
+    torch._dynamo.reset()
+    model = _model()
+    wrapper = dp.DataParallel(model, devices, compile={"backend": "eager"})
+    x = torch.randn(6, 4)
+    assert_close_rel(wrapper(x), model(x))
+    handle = model[-1].register_forward_hook(lambda mod, args, out: out * 2)
+    pre = model[0].register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+    assert_close_rel(wrapper(x), model(x), msg="after the hooks were added")
+    handle.remove()
+    pre.remove()
+    assert_close_rel(wrapper(x), model(x), msg="after they were removed")
+
+
 def test_compile_options_are_checked_at_construction() -> None:
     assert dp.DataParallel(_model(), CPU2, compile=True).compile_options == {}
     assert dp.DataParallel(_model(), CPU2).compile_options is None

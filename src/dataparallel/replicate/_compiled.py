@@ -159,8 +159,16 @@ class CompiledReplicas:
         dynamo does not guard on module hooks: after a forward hook or pre-hook of the tree was
         added, removed or swapped (the replica set keeps the hooks it saw at its last fill), the
         call is compiled again, so no replica runs a stale graph. The lists are compared only
-        when a set holds a new one (after a refill, or in another set)."""
+        when a set holds a new one (after a refill, or in another set), and on every call of
+        one replica, the module itself (``compile=`` on a one-device list)."""
+        # One replica is the module itself, which no set refills: its hooks are read here.
         hooks = replicas[-1].__dict__.get(HOOKS_SEEN, []) if len(replicas) > 1 else []
+        if len(replicas) == 1:
+            hooks = [
+                tuple(map(id, table.values()))
+                for m in replicas[0].modules()
+                for table in (m._forward_hooks, m._forward_pre_hooks)
+            ]
         if hooks is not self.hooks:
             if hooks != self.hooks:
                 self._table.clear()
