@@ -154,9 +154,15 @@ class Pass:
         if not changed:
             return value
         new = copy.copy(value)
-        if type(getattr(new, "__dict__", None)) is not dict or new is value:
+        fresh = getattr(new, "__dict__", None)
+        if type(fresh) is not dict or new is value:
             return value
-        new.__dict__.update(changed)
+        # A __getstate__ that leaves out what cannot be pickled (a lock, a file) makes a copy
+        # without it, and with no __setstate__ nothing puts it back: the replica's copy keeps
+        # every attribute the original has (shared, as a shallow copy shares them).
+        for key, held in state.items():
+            fresh.setdefault(key, held)
+        fresh.update(changed)
         return new
 
     def _partial(self, value: functools.partial[Any], deeper: int) -> Any:

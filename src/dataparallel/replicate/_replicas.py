@@ -27,6 +27,7 @@ once per replica set. Nothing here writes the user's modules.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 from typing import Any
@@ -63,6 +64,21 @@ from dataparallel.replicate._written import ForwardWrites
 __all__ = ["Replicas"]
 
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots ``cls`` and its bases declare (private names mangled), past ``__dict__`` and
+    ``__weakref__``."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            names.append(name)
+    return tuple(names)
 
 
 class Replicas(TensorSync):
@@ -172,6 +188,13 @@ class Replicas(TensorSync):
         # Shared parameters that forward writes (a momentum encoder): private copies for the
         # replicas after the first, so each call writes them once (``_written``).
         self.writes = ForwardWrites()
+        # Modules whose class declares __slots__: their values live outside __dict__, so
+        # every sync copies them to the replicas (a refill copies only the __dict__).
+        self.slotted = [
+            (i, names)
+            for i, m in enumerate(modules)
+            if self.sources[i].through is None and (names := _slot_names(type(m)))
+        ]
 
     # -- what changed ---------------------------------------------------------------------------
 
@@ -224,6 +247,7 @@ class Replicas(TensorSync):
         self._sync_buffers(buffers)
         self.current = buffers
         self._fill(root, buffers, only)
+        self._copy_slots(root)
         self.fills += 1
         for replica in self.replicas:
             replica.params_in = replica.buffers_in = None
@@ -239,12 +263,30 @@ class Replicas(TensorSync):
         without buffers) has nothing of the kind: its replicas were installed with the
         parameters themselves, which a write past the snapshot's notice cannot replace.
         """
+        self._copy_slots(root)
         if not self.targets and not self.buffers and not self.writes.pending(root.training):
             return self._roots(root)
         per_device = self.writes.private(root.training, self._sync_params())
         self._sync_buffers(self.current)
         self._install(root, per_device)
         return self._roots(root)
+
+    def _copy_slots(self, root: nn.Module) -> None:
+        """Each slotted module's slot values, as they are now, on its replicas (an unset slot
+        unset there too)."""
+        if not self.slotted:
+            return
+        modules = self.modules(root)
+        for i, names in self.slotted:
+            source = modules[i]
+            for replica in self.replicas[self.first :]:
+                target = replica.nodes[i].module
+                for name in names:
+                    try:
+                        object.__setattr__(target, name, object.__getattribute__(source, name))
+                    except AttributeError:  # unset on the module: unset on the replica
+                        with contextlib.suppress(AttributeError):
+                            object.__delattr__(target, name)
 
     def _install(self, root: nn.Module, per_device: list[list[torch.Tensor]]) -> None:
         """Point each replica at this call's parameter and buffer tensors, where they are new."""
