@@ -140,12 +140,11 @@ def copy_writes_back(
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
                 mine.copy_(value)
-    olds = _each(before or [])  # (zip stops with the modules)
-    for own, copy, old in zip(module.modules(), replica.modules(), olds, strict=False):
+    for i, (own, copy) in enumerate(zip(module.modules(), replica.modules(), strict=True)):
         if own is copy:
             continue
         attributes = own.__dict__
-        base = attributes if old is None else old
+        base = attributes if before is None else before[i]
         for name, value in copy.__dict__.items():
             if (
                 type(value) in _VALUES
@@ -158,13 +157,6 @@ def copy_writes_back(
 
 
 _MISSING = object()
-
-
-def _each(before: list[Any]) -> Any:
-    """``before``'s items, then ``None`` for ever (no snapshot: compare with the module)."""
-    yield from before
-    while True:
-        yield None
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:
