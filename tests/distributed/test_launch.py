@@ -208,7 +208,11 @@ def _process_tree(pid: int) -> list[int]:
 
 
 def _listening(pids: list[int]) -> list[tuple[str, int]]:
-    """The (address, pid) of every listening TCP socket the processes hold (from /proc)."""
+    """The (address, pid) of every listening TCP socket the processes hold (from /proc).
+
+    The tables are read from the first process's own ``/proc/<pid>/net``: in a network
+    namespace of the test's own, the test's ``/proc/net`` shows the host's sockets instead.
+    """
     owners: dict[str, int] = {}
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
@@ -218,7 +222,7 @@ def _listening(pids: list[int]) -> list[tuple[str, int]]:
                     owners[target[8:-1]] = pid
     found = []
     for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+        for line in Path(f"/proc/{pids[0]}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in owners:  # 0A: LISTEN
                 found.append((fields[1], owners[fields[9]]))
@@ -232,15 +236,30 @@ def _loopback(address: str) -> bool:
     return host in ("00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
-def test_a_one_node_job_listens_on_the_loopback_only() -> None:
-    # torch's TCPStore listens on every interface: the launcher's two stores took writes
-    # from any host on the network while the job ran.
-    argv = ["train", "--data", "random", "--strategy", "ddp", "--nproc-per-node", "2"]
+def _own_network(command: list[str]) -> list[str] | None:
+    """``command`` in a network and host-name namespace of its own whose host name is a
+    non-loopback address (192.0.2.2, TEST-NET-1, on its loopback device), as on a real host
+    whose name resolves to its LAN address; no packet leaves the machine. ``None`` where the
+    namespace cannot be made (not Linux, no ``unshare``/``ip``, no privilege)."""
+    setup = "ip link set lo up && ip addr add 192.0.2.2/32 dev lo && hostname 192.0.2.2"
+    wrapped = ["unshare", "--net", "--uts", "sh", "-c", f'{setup} && exec "$@"', "sh", *command]
+    try:
+        probe = subprocess.run(
+            [*wrapped[: -len(command)], "true"], capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return wrapped if probe.returncode == 0 else None
+
+
+def _job_sockets(command: list[str], processes: int) -> tuple[int, list[tuple[str, int]]]:
+    """Run a one-node job until its first epoch: its launcher's pid, and the listening sockets
+    of its processes as (address, pid).
+
+    The job is stopped with SIGINT, and killed if it outlives that by a minute.
+    """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dataparallel", *argv, "--devices", "cpu", "--epochs", "500"],
+        command,
         cwd=REPO,
         env=child_env(),
         stdout=subprocess.PIPE,
@@ -264,7 +283,49 @@ def test_a_one_node_job_listens_on_the_loopback_only() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert len(pids) == 3, lines  # the launcher and its two workers
+    assert len(pids) == processes, lines  # the launcher and its workers
     assert proc.pid in {pid for _, pid in sockets}, sockets  # the rendezvous store
-    assert len({pid for _, pid in sockets}) >= 2, sockets  # and rank 0's store
+    return proc.pid, sockets
+
+
+_ONE_NODE_TRAIN = ["train", "--data", "random", "--strategy", "ddp", "--devices", "cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("host", ["this host", "host named by a LAN address"])
+def test_a_one_node_job_listens_on_the_loopback_only(host: str) -> None:
+    # torch's TCPStore listens on every interface: the launcher's two stores took writes
+    # from any host on the network while the job ran. gloo's sockets listen where the host's
+    # name resolves: on most real hosts, their LAN address (issue 51, item 8).
+    command = [sys.executable, "-m", "dataparallel", *_ONE_NODE_TRAIN, "--epochs", "500"]
+    command += ["--nproc-per-node", "2"]
+    if host != "this host":
+        wrapped = _own_network(command)
+        if wrapped is None:
+            pytest.skip("no network namespace here (needs unshare, ip and the privilege)")
+        command = wrapped
+    _, sockets = _job_sockets(command, 3)
+    assert len({pid for _, pid in sockets}) == 3, sockets  # rank 0's store, both gloo meshes
     assert [s for s in sockets if not _loopback(s[0])] == [], sockets
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc (Linux)")
+def test_the_guides_torchrun_command_exposes_only_the_agents_two_stores() -> None:
+    # The guide's one-machine torchrun command, on a host whose name is its LAN address: the
+    # workers listen on the loopback only; torchrun's agent keeps two stores on every
+    # interface, which no torchrun option changes, and the guide says so at the command.
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc-per-node", "2", "-m", "dataparallel", *_ONE_NODE_TRAIN]
+    wrapped = _own_network([*command, "--epochs", "500"])
+    if wrapped is None:
+        pytest.skip("no network namespace here (needs unshare, ip and the privilege)")
+    agent, sockets = _job_sockets(wrapped, 3)
+    exposed = [s for s in sockets if not _loopback(s[0])]
+    workers = {pid for _, pid in sockets} - {agent}
+    assert len(workers) == 2, sockets  # both workers listen (gloo), on the loopback only
+    assert [pid for _, pid in exposed] == [agent, agent], sockets  # torchrun's two stores
+    assert all(s[0].startswith("0" * 32) for s in exposed), sockets  # [::]: every interface

@@ -15,13 +15,17 @@ import datetime
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dataparallel.distributed._rendezvous import init_process_group, resolve_timeout
+from dataparallel.distributed._rendezvous import (
+    gloo_on_loopback,
+    init_process_group,
+    resolve_timeout,
+)
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -289,13 +293,15 @@ def ddp_session(
         info = init_distributed(backend=backend, timeout=timeout)
         if info.backend is None:
             chosen = backend or _default_backend()
-            dist.init_process_group(
-                chosen,
-                store=dist.HashStore(),
-                rank=0,
-                world_size=1,
-                timeout=resolve_timeout(timeout),
-            )
+            # one process: nothing to reach from outside
+            with gloo_on_loopback("127.0.0.1") if "gloo" in chosen else nullcontext():
+                dist.init_process_group(
+                    chosen,
+                    store=dist.HashStore(),
+                    rank=0,
+                    world_size=1,
+                    timeout=resolve_timeout(timeout),
+                )
             info = dataclasses.replace(info, backend=chosen)
         module.to(info.device)
         device_ids = [info.device.index] if info.device.type == "cuda" else None

@@ -21,6 +21,9 @@ import math
 import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -28,6 +31,7 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
+    "gloo_on_loopback",
     "init_process_group",
     "master_endpoint",
     "resolve_timeout",
@@ -201,10 +205,9 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return None
-    loopback = [i for i in infos if _is_loopback(str(i[4][0]))]
-    if not loopback or len(loopback) != len(infos):
+    if not _all_loopback(addr):
         return None
-    family, kind, proto, _, sockaddr = loopback[0]
+    family, kind, proto, _, sockaddr = infos[0]
     listener = socket.socket(family, kind, proto)
     try:
         listener.bind(sockaddr)
@@ -222,6 +225,15 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
             f"`dataparallel train --strategy ddp` pick one"
         ) from None
     return listener
+
+
+def _all_loopback(addr: str) -> bool:
+    """Whether ``addr`` resolves, and only to loopback addresses."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(_is_loopback(str(i[4][0])) for i in infos)
 
 
 def _is_loopback(host: str) -> bool:
@@ -267,6 +279,46 @@ def _job_store(
     return entry[0], session
 
 
+def _loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (``lo`` on Linux), or ``None``."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names:
+        flags = Path(f"/sys/class/net/{name}/flags")
+        try:
+            if int(flags.read_text(), 16) & 0x8:  # IFF_LOOPBACK
+                return name
+        except (OSError, ValueError):
+            continue
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+@contextmanager
+def gloo_on_loopback(addr: str) -> Iterator[None]:
+    """While a gloo group is made, have it listen on the loopback in a one-node job.
+
+    gloo listens where this host's name resolves: on most real hosts, the LAN address, so a
+    job that never leaves the machine would take connections from the network. Every rank of
+    a one-node job (a loopback ``MASTER_ADDR``, or torchrun's ``LOCAL_WORLD_SIZE`` equal to
+    ``WORLD_SIZE``) reaches the others on the loopback. ``GLOO_SOCKET_IFNAME``, which gloo
+    reads when the group is made, names the loopback interface for the length of the block and
+    is then restored; one the user set is kept.
+    """
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    one_node = _all_loopback(addr) or (local is not None and local == os.environ.get("WORLD_SIZE"))
+    interface = _loopback_interface() if one_node else None
+    if "GLOO_SOCKET_IFNAME" in os.environ or interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def init_process_group(
     backend: str, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> None:
@@ -288,13 +340,14 @@ def init_process_group(
         # sessions numbered from 0 again) meet under their attempt's prefix, as env:// does,
         # never at the dead workers' addresses.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"dataparallel/attempt-{attempt}/session-{session}", store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        with gloo_on_loopback(addr) if "gloo" in backend else nullcontext():
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore(f"dataparallel/attempt-{attempt}/session-{session}", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
     except (dist.DistError, RuntimeError) as exc:
         text = str(exc)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
