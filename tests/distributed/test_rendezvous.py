@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,91 @@ def test_repeated_sessions_in_one_process_never_hang() -> None:
     # A fresh store per session let a rank that finished its first session early meet rank 0
     # on the first session's store: 20 sessions hung (here: timed out) at once, both times.
     run_workers(_sessions_worker, 2)
+
+
+# A rank of a job that meets the others, waits for a file, then all-reduces its rank + 1.
+_WAITING_RANK = """
+import os, sys, time
+import torch, torch.distributed as dist
+from dataparallel.distributed import destroy_distributed, init_distributed
+try:
+    init_distributed(backend="gloo", timeout=20)
+except Exception as exc:
+    print(type(exc).__name__, "|", str(exc).replace("\\n", " "), flush=True)
+    sys.exit(0)
+print("joined", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print("sum", value.item(), flush=True)
+destroy_distributed()
+"""
+
+
+def test_a_second_job_on_a_running_jobs_port_never_reaches_into_it(tmp_path: Path) -> None:
+    """Issue 51, item 2: job B's rank 1 reached job A's store, joined A's gloo rendezvous, and
+    waited about 100 s past its 20 s limit (or broke A's mesh). Now it is told at once."""
+    port, go = free_port(), tmp_path / "go"
+
+    def start(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WAITING_RANK, str(go)],
+            env=_env(rank, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # torch's C++ logs
+            text=True,
+        )
+
+    first = [start(rank) for rank in (0, 1)]
+    try:
+        for run in first:
+            assert run.stdout is not None and run.stdout.readline().strip() == "joined"
+        began = time.monotonic()
+        second = [start(rank) for rank in (0, 1)]
+        lines = [run.communicate(timeout=60)[0].strip() for run in second]
+        elapsed = time.monotonic() - began
+        go.write_text("")
+        results = [run.communicate(timeout=60)[0].strip() for run in first]
+    finally:
+        for run in first:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    assert elapsed < 15, lines  # well within B's own 20 s limit
+    assert lines[0].startswith(
+        f"RuntimeError | environment variable MASTER_PORT: rank 0 cannot listen on 127.0.0.1:"
+        f"{port}: expected a free port, found it in use by another program"
+    ), lines
+    assert lines[1] == (
+        f"RuntimeError | environment variable MASTER_PORT: rank 1 of 2 reached the store at "
+        f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} and found another job there (its rank 1 "
+        f"has already joined); expected this job's own store, with no rank 1 yet: two jobs "
+        f"cannot share one endpoint; give each job its own MASTER_PORT (torchrun "
+        f"--master-port), or let `dataparallel train --strategy ddp` pick a free one"
+    ), lines
+    assert results == ["sum 3.0", "sum 3.0"]  # job A is untouched
+
+
+def test_a_rank_of_a_job_of_another_size_is_told_so() -> None:
+    port = free_port()
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ONE_RANK, "20"],
+            env=_env(rank, port, world_size=size),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank, size in ((0, 2), (1, 3))
+    ]
+    # Whichever of the two sets the job's size first, the other is told the size it found.
+    lines = [runs[1].communicate(timeout=60)[0].strip()]
+    if "a job of 2 processes" in lines[0]:
+        assert lines[0].startswith("RuntimeError | environment variable MASTER_PORT: rank 1 of 3 ")
+    else:  # rank 0 came second, and stopped its store as it left
+        lines.append(runs[0].communicate(timeout=60)[0].strip())
+        assert lines[1].startswith("RuntimeError | environment variable MASTER_PORT: rank 0 of 2 ")
+        assert "found another job there (a job of 3 processes)" in lines[1], lines
+    runs[0].kill()
+    runs[0].wait()

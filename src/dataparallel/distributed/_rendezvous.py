@@ -243,6 +243,39 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _check_own_job(store: dist.Store, where: str, rank: int, world_size: int) -> None:
+    """Refuse a store that belongs to another job, before any group is made in it.
+
+    A second job started on a running job's ``MASTER_PORT``: its rank 0 cannot listen there
+    (our error), but its other ranks reach the running job's store, which answers, and then
+    would wait in that job's gloo rendezvous past their limit, or join its mesh and break it.
+    Every rank that joins a store counts itself in under its rank (and torchrun's restart
+    attempt), and the first to join sets the job's size: a rank that is the second of its
+    number, or finds another size, is in the wrong job's store.
+
+    Raises:
+        RuntimeError: naming the endpoint, what was found there, and the fix.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"dataparallel/attempt-{attempt}"
+    size = store.compare_set(f"{prefix}/world-size", "", str(world_size)).decode()
+    joined = store.add(f"{prefix}/joined/rank-{rank}", 1)
+    if size == str(world_size) and joined == 1:
+        return
+    found = (
+        f"a job of {size} processes"
+        if size != str(world_size)
+        else f"its rank {rank} has already joined"
+    )
+    raise RuntimeError(
+        f"environment variable MASTER_PORT: rank {rank} of {world_size} reached the store at "
+        f"MASTER_ADDR:MASTER_PORT={where} and found another job there ({found}); expected "
+        f"this job's own store, with no rank {rank} yet: two jobs cannot share one endpoint; "
+        f"give each job its own MASTER_PORT (torchrun --master-port), or let `dataparallel "
+        f"train --strategy ddp` pick a free one"
+    )
+
+
 def _job_store(
     addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> tuple[dist.Store, int]:
@@ -271,6 +304,7 @@ def _job_store(
             multi_tenant=True,  # as env:// makes it: torch's own env:// later reuses it
             master_listen_fd=None if listener is None else listener.fileno(),
         )
+        _check_own_job(store, f"{addr}:{port}", rank, world_size)
         entry = _STORES[key] = [store, 0, listener]
     else:
         entry[0].set_timeout(timeout)
