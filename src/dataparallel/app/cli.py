@@ -6,7 +6,8 @@ arguments (the parser is ``_parser``'s), hands the command to its implementation
 and turns every way a run can end into one line on stderr and a conventional exit code. Exit
 codes: 0 done; 2 bad usage or input (``dataparallel: error: ...``, found before the first
 epoch); 3 training stopped (the loss was no longer finite); 130 interrupted (Ctrl-C; the last
-complete checkpoint is kept); 141 the reader of the output went away (``... | head``), ending
+complete checkpoint is kept); 5 (a ddp worker) a collective waited past its limit: the line names
+the ranks that stopped answering; 141 the reader of the output went away (``... | head``), ending
 quietly as a command killed by ``SIGPIPE`` does.
 """
 
@@ -75,6 +76,7 @@ def _silence_stdout() -> None:
 def _run(args_list: list[str]) -> int:
     from dataparallel.app.demo.options import TrainingError, TrainOptions, UsageError
     from dataparallel.app.demo.train import run_train
+    from dataparallel.app.launch import TIMED_OUT_EXIT
 
     rank = os.environ.get("RANK", "0")
     prefix = PROG if rank == "0" else f"{PROG} (rank {rank})"
@@ -120,6 +122,13 @@ def _run(args_list: list[str]) -> int:
     except TrainingError as exc:
         say(f"{prefix}: error: {_one_line(exc)}")
         return 3
+    except TimeoutError as exc:
+        speaks = getattr(exc, "speaks", None)  # a collective past the limit (distributed)
+        if speaks is None:
+            raise
+        if speaks:  # the lowest rank still answering says it; it names the ranks that stopped
+            _say(f"{PROG} (rank {rank}): error: {_one_line(exc)}")
+        return TIMED_OUT_EXIT
 
 
 def _one_line(exc: BaseException) -> str:

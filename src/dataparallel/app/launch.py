@@ -25,6 +25,7 @@ __all__ = [
     "LAUNCHER_PID_ENV",
     "PEER_GONE_EXIT",
     "QUIET_EXIT_CODES",
+    "TIMED_OUT_EXIT",
     "free_port",
     "launch",
     "peer_gone",
@@ -34,9 +35,14 @@ __all__ = [
 LAUNCHER_PID_ENV = "DATAPARALLEL_LAUNCHER_PID"
 """Set in each worker's environment to the launcher's pid (see :func:`watch_launcher`)."""
 
-QUIET_EXIT_CODES = frozenset({2, 3, 130, 141})
+TIMED_OUT_EXIT = 5
+"""A worker's exit code when a collective waited past the limit; the lowest rank still
+answering said which ranks stopped answering, on one line."""
+
+QUIET_EXIT_CODES = frozenset({2, 3, TIMED_OUT_EXIT, 130, 141})
 """Worker exit codes of the command line that already said why on one line (2 bad input,
-3 training stopped, 130 interrupted, 141 output closed): the launcher adds nothing."""
+3 training stopped, 5 a collective timed out, 130 interrupted, 141 output closed): the
+launcher adds nothing."""
 
 PEER_GONE_EXIT = 4
 """A worker's exit code when a collective failed because another worker ended first: the

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dataparallel._common.describe import describe
 from dataparallel._common.tree import contains_array, leaves
 from dataparallel.devices import DeviceSpec, resolve_device
+from dataparallel.distributed._liveness import collective_timeout
 from dataparallel.distributed._process import local_device
 from dataparallel.gather import first_batch_size, gather
 
@@ -203,6 +204,8 @@ def gather_all(
     Raises:
         ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
             the message lists every rank's structure and shapes.
+        TimeoutError: the exchange waited past the group's limit; the message names the
+            ranks that stopped answering, and the job's store.
 
     >>> import torch
     >>> gather_all({"pred": torch.tensor([1, 2]), "names": ["a", "b"]})  # one process
@@ -213,7 +216,13 @@ def gather_all(
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         exchanged: list[Any] = [None] * world_size
-        dist.all_gather_object(exchanged, (local_size, _to_cpu_bytes(obj)))
+        try:
+            dist.all_gather_object(exchanged, (local_size, _to_cpu_bytes(obj)))
+        except RuntimeError as exc:  # (torch's DistError is one)
+            timed_out = collective_timeout(exc)
+            if timed_out is None:
+                raise
+            raise timed_out from None
         sizes = [entry[0] for entry in exchanged]
         outputs = [
             obj if r == rank else pickle.loads(payload)  # our own ranks' bytes

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from dataparallel.distributed import _liveness
 from dataparallel.distributed._rendezvous import (
     gloo_on_loopback,
     init_process_group,
@@ -184,6 +185,7 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         barrier: wait for every rank first (on a normal exit); pass ``False`` after an error,
             when a peer may be gone.
     """
+    _liveness.stop()
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
@@ -307,7 +309,12 @@ def ddp_session(
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs)
         yield ddp, info
-    except BaseException:
+    except BaseException as exc:
+        # A collective past the limit: which rank stopped answering is read before the group
+        # (and this rank's heartbeat) goes.
+        timed_out = _liveness.collective_timeout(exc)
         destroy_distributed(barrier=False)  # a peer may be gone: no barrier
+        if timed_out is not None:
+            raise timed_out from None
         raise
     destroy_distributed()

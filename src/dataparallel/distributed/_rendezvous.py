@@ -28,6 +28,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dataparallel.distributed import _liveness
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
@@ -374,14 +376,16 @@ def init_process_group(
         # sessions numbered from 0 again) meet under their attempt's prefix, as env:// does,
         # never at the dead workers' addresses.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = f"dataparallel/attempt-{attempt}/session-{session}"
         with gloo_on_loopback(addr) if "gloo" in backend else nullcontext():
             dist.init_process_group(
                 backend,
-                store=dist.PrefixStore(f"dataparallel/attempt-{attempt}/session-{session}", store),
+                store=dist.PrefixStore(prefix, store),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
             )
+        _liveness.start(addr, port, rank, world_size, prefix, seconds)
     except (dist.DistError, RuntimeError) as exc:
         text = str(exc)
         if "EADDRINUSE" in text or "address already in use" in text.lower():

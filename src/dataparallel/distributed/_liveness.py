@@ -1,0 +1,193 @@
+"""Which ranks still answer: a heartbeat per rank in the job's store, read when a collective
+times out.
+
+A gloo collective gives up at the group's limit with "Timed out waiting 5000ms for recv",
+which names neither the endpoint nor the rank that stopped, and the launcher then blames the
+rank that gave up. So every rank of a group that :func:`init_distributed` makes counts beats in
+the job's store, from a daemon thread with a connection of its own (one ``add`` every
+:data:`PERIOD_S`). When a collective times out, :func:`collective_timeout` reads every rank's
+count twice, a few beats apart:
+
+- a rank whose count stands still has stopped answering (``kill -STOP``, a debugger, swapped
+  out, hung in C code with the GIL held), and is named, with its pid and host;
+- if every count moves, every process is alive: one is slower than the limit, or runs another
+  collective;
+- if the store itself no longer answers, its host has stopped (rank 0, or torchrun's agent).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["PERIOD_S", "CollectiveTimeout", "collective_timeout", "start", "stop"]
+
+#: Seconds between two beats of a rank.
+PERIOD_S = 0.5
+
+#: How long the reader watches the counts: a rank that answers beats several times in it.
+_WATCH_S = 4 * PERIOD_S
+
+#: How long a connection to the store waits for an answer (the beat, and the reader's).
+_STORE_TIMEOUT = datetime.timedelta(seconds=5)
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective waited past the group's limit; ``stopped`` are the ranks that stopped
+    answering (``None``: the store no longer answers either, so it is not known)."""
+
+    def __init__(self, message: str, rank: int, stopped: list[int] | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stopped = stopped
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank is the one to say it: the lowest rank still answering, so that
+        a job's ranks that all gave up say it once."""
+        if not self.stopped:  # nobody is known to have stopped: each rank that gave up says so
+            return True
+        return self.rank == min(r for r in range(self.rank + 1) if r not in self.stopped)
+
+
+class _Heartbeat:
+    """This rank's beats, and where to read everyone's."""
+
+    def __init__(
+        self, addr: str, port: int, rank: int, world_size: int, prefix: str, limit: float
+    ) -> None:
+        self.addr, self.port, self.rank, self.world_size = addr, port, rank, world_size
+        self.prefix, self.limit = prefix, limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="dataparallel-heartbeat")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _client(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.addr,
+            self.port,
+            self.world_size,
+            is_master=False,
+            timeout=_STORE_TIMEOUT,
+            wait_for_workers=False,
+        )
+
+    def _beat(self) -> None:
+        try:
+            store = self._client()
+            store.set(
+                f"{self.prefix}/who/rank-{self.rank}", f"{os.getpid()}@{socket.gethostname()}"
+            )
+            while True:
+                store.add(f"{self.prefix}/beat/rank-{self.rank}", 1)
+                if self._stop.wait(PERIOD_S):
+                    return
+        except Exception:  # the store is gone (its host ended): nothing left to beat into
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(PERIOD_S + 1.0)  # a beat blocked on a stopped store is left behind
+
+    def stopped_ranks(self) -> tuple[list[int], dict[int, str]] | None:
+        """The ranks whose beats stood still while watched, and who each of them is; ``None``
+        when the store no longer answers."""
+        try:
+            store = self._client()
+            keys = [f"{self.prefix}/beat/rank-{r}" for r in range(self.world_size)]
+            before = [store.add(key, 0) for key in keys]
+            time.sleep(_WATCH_S)
+            after = [store.add(key, 0) for key in keys]
+            stopped = [r for r in range(self.world_size) if after[r] == before[r]]
+            names = {r: f"{self.prefix}/who/rank-{r}" for r in stopped}
+            who = {r: store.get(k).decode() for r, k in names.items() if store.check([k])}
+        except Exception:  # the store's host answers no more
+            return None
+        return [r for r in stopped if r != self.rank], who
+
+
+_CURRENT: list[_Heartbeat] = []
+
+
+def start(addr: str, port: int, rank: int, world_size: int, prefix: str, limit: float) -> None:
+    """Beat for this rank in the store at ``addr:port`` under ``prefix``, until :func:`stop`."""
+    stop()
+    if world_size > 1:
+        _CURRENT.append(_Heartbeat(addr, port, rank, world_size, prefix, limit))
+
+
+def stop() -> None:
+    """Stop this rank's beats (the group is being destroyed)."""
+    while _CURRENT:
+        _CURRENT.pop().stop()
+
+
+_TIMED_OUT = ("Timed out waiting", "timed out", "Timeout")
+_FIX = (
+    "or wait longer with init_distributed(timeout=seconds), ddp_session(model, "
+    "timeout=seconds) or DATAPARALLEL_DIST_TIMEOUT=seconds"
+)
+
+
+def collective_timeout(exc: BaseException) -> CollectiveTimeout | None:
+    """Our error for ``exc`` when it is a collective of this rank's group that waited past the
+    group's limit (gloo's "Timed out waiting ...ms"), naming the ranks that stopped answering;
+    ``None`` for any other exception, or where no heartbeat runs."""
+    kinds: tuple[type[BaseException], ...] = (RuntimeError,)
+    if hasattr(dist, "DistError"):
+        kinds = (RuntimeError, dist.DistError)
+    if isinstance(exc, TimeoutError) or not isinstance(exc, kinds) or not _CURRENT:
+        return None
+    if not any(text in str(exc) for text in _TIMED_OUT):
+        return None
+    beat = _CURRENT[-1]
+    where = f"{beat.addr}:{beat.port}"
+    head = (
+        f"rank {beat.rank} of {beat.world_size}: a collective waited {beat.limit:g} s, the "
+        f"group's limit, and gave up"
+    )
+    found = beat.stopped_ranks()
+    if found is None:
+        hosts = (
+            "torchrun's agent"
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            else "rank 0"
+        )
+        return CollectiveTimeout(
+            f"{head}: the job's store at MASTER_ADDR:MASTER_PORT={where} no longer answers "
+            f"either, so {hosts}, which hosts it, has stopped answering; expected every rank "
+            f"to reach the same collective within the limit; see why it stopped, {_FIX}",
+            beat.rank,
+            None,
+        )
+    stopped, who = found
+    if stopped:
+        names = ", ".join(
+            f"rank {r} (pid {who[r].replace('@', ' on host ', 1)})"
+            if "@" in who.get(r, "")
+            else f"rank {r}"
+            for r in stopped
+        )
+        verb = "has" if len(stopped) == 1 else "have"
+        return CollectiveTimeout(
+            f"{head}: {names} {verb} stopped answering (no heartbeat in the job's store at "
+            f"MASTER_ADDR:MASTER_PORT={where} for {_WATCH_S:g} s); expected every rank to reach "
+            f"the same collective within the limit; see why that process stopped (stopped by "
+            f"a signal or a debugger, swapped out, or hung inside C code), {_FIX}",
+            beat.rank,
+            stopped,
+        )
+    return CollectiveTimeout(
+        f"{head}: every rank still answers (their heartbeats in the job's store at "
+        f"MASTER_ADDR:MASTER_PORT={where} move), so one is slower than the limit or runs a "
+        f"different collective; expected every rank to run the same collectives in the same "
+        f"order, each within the limit; {_FIX.removeprefix('or ')}",
+        beat.rank,
+        [],
+    )

@@ -1,0 +1,151 @@
+"""A collective past the group's limit is our ``TimeoutError``, naming the rank that stopped.
+
+Issue 51, items 3 and 4: gloo gave up on time, but with its own "Timed out waiting 5000ms for
+recv", and the launcher's summary then blamed the rank that gave up ("first: rank 0 ... exited
+with code 1") after 28 lines of its traceback. Real gloo processes: one rank stops (SIGSTOP, as
+a debugger or a swapped-out process would) or is only late (asleep in Python).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataparallel.app.launch import free_port
+
+from ._helpers import REPO, child_env
+from .test_launch import _process_tree
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+# Two ranks in a ddp_session with a 3 s limit. Rank 1 stops itself (argv "stop") or sleeps
+# 10 s (argv "late"); rank 0 runs the collective (argv "gather_all", "all_reduce" or "ddp").
+_RANK = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from dataparallel.distributed import ddp_session, gather_all
+how, what = sys.argv[1], sys.argv[2]
+try:
+    with ddp_session(torch.nn.Linear(2, 1), backend="gloo", timeout=3) as (ddp, info):
+        print("pid", os.getpid(), flush=True)
+        if info.rank == 1:
+            time.sleep(1.0)  # a few heartbeats first
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(10)
+        if what == "gather_all":
+            gather_all(torch.ones(1))
+        elif what == "all_reduce":
+            dist.all_reduce(torch.ones(1))
+        else:
+            ddp(torch.ones(3, 2)).sum().backward()
+except Exception as exc:
+    kind = "TimeoutError" if isinstance(exc, TimeoutError) else type(exc).__name__
+    print(kind, "|", str(exc), flush=True)
+"""
+
+
+def _env(rank: int, port: int) -> dict[str, str]:
+    return child_env(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _run(how: str, what: str) -> str:
+    """Rank 0's last line; every process is gone when it returns."""
+    port = free_port()
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, how, what],
+            env=_env(rank, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # torch's C++ logs
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        began = time.monotonic()
+        line = runs[0].communicate(timeout=60)[0].strip().splitlines()[-1]
+        assert time.monotonic() - began < 30, line  # the 3 s limit, and a 2 s look
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    return line
+
+
+@pytest.mark.parametrize("what", ["gather_all", "all_reduce", "ddp"])
+def test_a_rank_that_stopped_is_named(what: str) -> None:
+    line = _run("stop", what)
+    assert re.fullmatch(
+        r"TimeoutError \| rank 0 of 2: a collective waited 3 s, the group's limit, and gave up: "
+        r"rank 1 \(pid \d+ on host [^)]+\) has stopped answering \(no heartbeat in the job's "
+        r"store at MASTER_ADDR:MASTER_PORT=127\.0\.0\.1:\d+ for 2 s\); expected every rank to "
+        r"reach the same collective within the limit; see why that process stopped .*"
+        r"DATAPARALLEL_DIST_TIMEOUT=seconds",
+        line,
+    ), line
+
+
+def test_a_rank_that_is_only_late_is_told_apart() -> None:
+    line = _run("late", "gather_all")
+    assert line.startswith(
+        "TimeoutError | rank 0 of 2: a collective waited 3 s, the group's limit, and gave up: "
+        "every rank still answers (their heartbeats in the job's store at "
+        "MASTER_ADDR:MASTER_PORT=127.0.0.1:"
+    ), line
+    assert "so one is slower than the limit or runs a different collective" in line
+
+
+def test_a_stalled_worker_of_the_command_line_is_named_in_one_line() -> None:
+    command = [sys.executable, "-m", "dataparallel", "train", "--strategy", "ddp"]
+    command += ["--nproc-per-node", "2", "--data", "random", "--devices", "cpu"]
+    proc = subprocess.Popen(
+        [*command, "--epochs", "500"],
+        cwd=REPO,
+        env=child_env(DATAPARALLEL_DIST_TIMEOUT="8"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stopped = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("epoch 1/500"):
+                break
+        for pid in _process_tree(proc.pid)[1:]:
+            if "RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0"):
+                stopped = pid
+                os.kill(pid, signal.SIGSTOP)
+        assert stopped is not None
+        _, err = proc.communicate(timeout=120)  # 8 s, a 2 s look, and torch's 30 s close
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):  # the launcher ended it first
+                os.kill(stopped, signal.SIGKILL)
+    assert proc.returncode == 5, err
+    lines = [line for line in err.splitlines() if not line.startswith("[W")]  # torch's C++
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        f"dataparallel (rank 0): error: rank 0 of 2: a collective waited 8 s, the group's limit, "
+        f"and gave up: rank 1 (pid {stopped} on host "
+    ), err
