@@ -553,3 +553,72 @@ def test_waves_normalise_contiguous_slices_and_update_running_statistics_once() 
     assert int(synced[1].num_batches_tracked) == 1
     assert_close_rel(synced[1].running_mean, first[1].running_mean, rtol=RTOL, msg="mean")
     assert_close_rel(synced[1].running_var, first[1].running_var, rtol=RTOL, msg="var")
+
+
+class _CheckpointedBlock(nn.Module):
+    """Memory-efficient DenseNet's pattern: BatchNorm, ReLU and a convolution run through
+    ``torch.utils.checkpoint`` inside forward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.norm = nn.SyncBatchNorm(3)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.reentrant = reentrant
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=IDS)
+def test_syncbatchnorm_inside_checkpoint_is_refused_at_the_call(
+    devices: list[str], reentrant: bool
+) -> None:
+    # Issue 50, item 9: the recompute in backward runs outside the rendezvous. Reentrant, it
+    # was silently per chunk (DenseNet's loss off by 5e-3); non-reentrant, torch's raw
+    # CheckpointError at backward.
+    torch.manual_seed(0)
+    model = dp.DataParallel(_CheckpointedBlock(reentrant), devices)
+    x = torch.randn(5, 3, 6, 6, requires_grad=True)
+    with pytest.raises(RuntimeError) as caught:
+        model(x)
+    message = str(caught.value)
+    assert (
+        "SyncBatchNorm 'norm' runs inside torch.utils.checkpoint: expected it outside the "
+        "checkpointed block" in message
+    ), message
+    assert "checkpoint around the whole wrapper call" in message
+
+
+def test_a_reentrant_checkpoint_around_the_whole_call_stays_exact() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    plain, synced = _pair()
+    model = dp.DataParallel(synced, ["cpu", "cpu:1"])
+    x = torch.randn(7, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    x_plain, x_synced = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = plain(x_plain)
+    actual = checkpoint(model, x_synced, use_reentrant=True)
+    assert_close_rel(actual, expected, rtol=RTOL, msg="output")
+    expected.square().mean().backward()
+    actual.square().mean().backward()
+    assert x_synced.grad is not None and x_plain.grad is not None
+    assert_close_rel(x_synced.grad, x_plain.grad, rtol=RTOL, msg="input grad")
+    for (name, a), (_, e) in zip(synced.named_parameters(), plain.named_parameters(), strict=True):
+        assert a.grad is not None and e.grad is not None
+        assert_close_rel(a.grad, e.grad, rtol=RTOL, msg=f"gradient of {name}")
+
+
+def test_a_non_reentrant_checkpoint_around_the_whole_call_is_per_chunk_with_a_warning() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    _, synced = _pair()
+    model = dp.DataParallel(synced, ["cpu", "cpu:1"])
+    x = torch.randn(7, 3, 8, 8).requires_grad_()
+    with pytest.warns(UserWarning, match=r"ran one after another \(under saved_tensors_hooks\)"):
+        checkpoint(model, x, use_reentrant=False)

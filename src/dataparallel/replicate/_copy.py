@@ -18,6 +18,7 @@ import dis
 import functools
 import operator
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -271,9 +272,33 @@ def global_names(code: types.CodeType) -> tuple[frozenset[str], bool]:
     return frozenset(reads), writes
 
 
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The slots ``cls`` and its bases declare (private names mangled), past ``__dict__`` and
+    ``__weakref__``; found once per class."""
+    found = _SLOTS.get(cls)
+    if found is not None:
+        return found
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            names.append(name)
+    _SLOTS[cls] = found = tuple(names)
+    return found
+
+
 def contents(value: Any) -> list[Any]:
     """What a holder holds, as identities to compare later: items, keys and values, the
-    attributes of an object, the cells and defaults of a function."""
+    attributes of an object (its class and slots too), the code, cells and defaults of a
+    function. A class swapped (``obj.__class__ = Other``), a slot written or a code object
+    swapped (``f.__code__ = g.__code__``) is then a change, as a written attribute is."""
     if isinstance(value, dict):
         return [*value.keys(), *value.values()]
     if isinstance(value, (tuple, list)):
@@ -285,10 +310,15 @@ def contents(value: Any) -> list[Any]:
         reads, _ = global_names(value.__code__)
         g = value.__globals__
         return [
+            value.__code__,
             *cells,
             *(value.__defaults__ or ()),
             *(value.__kwdefaults__ or {}).values(),
             *(g.get(n, _ABSENT) for n in sorted(reads)),
         ]
+    kind = type(value)
+    slots = [getattr(value, name, _ABSENT) for name in slot_names(kind)]
     state = getattr(value, "__dict__", None)
-    return [*state.keys(), *state.values()] if isinstance(state, dict) else []
+    if isinstance(state, dict):
+        return [kind, *slots, *state.keys(), *state.values()]
+    return [kind, *slots]

@@ -38,6 +38,7 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
+from dataparallel.replicate._copy import slot_names
 from dataparallel.replicate._rebind import (
     HOOKS_SEEN,
     SERIAL,
@@ -64,21 +65,6 @@ from dataparallel.replicate._written import ForwardWrites
 __all__ = ["Replicas"]
 
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    """The slots ``cls`` and its bases declare (private names mangled), past ``__dict__`` and
-    ``__weakref__``."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{klass.__name__.lstrip('_')}{name}"
-            names.append(name)
-    return tuple(names)
 
 
 class Replicas(TensorSync):
@@ -193,7 +179,7 @@ class Replicas(TensorSync):
         self.slotted = [
             (i, names)
             for i, m in enumerate(modules)
-            if self.sources[i].through is None and (names := _slot_names(type(m)))
+            if self.sources[i].through is None and (names := slot_names(type(m)))
         ]
 
     # -- what changed ---------------------------------------------------------------------------
