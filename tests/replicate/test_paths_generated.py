@@ -47,7 +47,7 @@ KINDS = (
 )
 MUTABLE = ("list", "dict", "odict", "namespace", "dataclass", "object")
 ROUTES = ("call", "hook", "prehook", "instance_forward", "global", "global_call")
-CHANGES = ("none", "retarget", "swap_hook", "reassign")
+CHANGES = ("none", "retarget", "swap_hook", "reassign", "fill", "retype", "slot")
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -58,10 +58,32 @@ class Box:
 
 
 class Plain:
-    """An object of the user's own class that holds a module."""
+    """An object of the user's own class that holds a module, with a slot beside its
+    ``__dict__`` (a scale applied to what it holds, when that is the module)."""
+
+    __slots__ = ("__dict__", "scale")
 
     def __init__(self, k: Any) -> None:
         self.k = k
+        self.scale = 1.0
+
+    def get(self) -> Any:
+        if self.scale == 1.0:
+            return self.k
+        return functools.partial(_times, self.k, self.scale)
+
+
+class Twin(Plain):
+    """What ``retype`` swaps a ``Plain``'s class to: it doubles what its module returns."""
+
+    __slots__ = ()
+
+    def get(self) -> Any:
+        return functools.partial(_times, self.k, 2.0)
+
+
+def _times(fn: Callable[[Any], Any], scale: float, y: Any) -> Any:
+    return fn(y) * scale
 
 
 def _ident(value: Any) -> Any:
@@ -98,6 +120,8 @@ def unwrap(kind: str, holder: Any) -> Any:
         return holder.b
     if kind in ("closure", "partial"):
         return holder()
+    if kind == "object":
+        return holder.get()
     return holder.k
 
 
@@ -135,14 +159,16 @@ GLOBAL_PATHS: dict[int, Any] = {}  # the module-level name a "global" route's ho
 
 
 class Model(nn.Module):
-    def __init__(self, kinds: tuple[str, ...], route: str) -> None:
+    def __init__(self, kinds: tuple[str, ...], route: str, idle: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.counter = Counter(0.5)
         self.other = Counter(-0.25)
         self.kinds, self.route = kinds, route
         self.key = id(self)  # the module-level entry of the "global" routes (replicas copy it)
-        path: Any = self.counter
+        # ``idle``: the path leads nowhere (a plain function) until ``fill`` writes a module
+        # of the tree into one of its holders, in place
+        path: Any = _ident if idle else self.counter
         self.holders: list[Any] = []  # innermost first, for a retarget
         for kind in kinds:
             path = wrap(kind, path)
@@ -199,6 +225,20 @@ def change(model: Model, what: str) -> None:
             model.path = path
         elif model.route in ("global", "global_call"):
             GLOBAL_PATHS[model.key] = path
+    elif what == "fill":  # the innermost mutable holder of an idle path: the counter
+        for i, (kind, holder) in enumerate(zip(model.kinds, model.holders, strict=True)):
+            if kind in MUTABLE:
+                inner = model.counter
+                for inner_kind in model.kinds[:i]:
+                    inner = wrap(inner_kind, inner)
+                retarget(kind, holder, inner)
+                return
+    elif what in ("retype", "slot") and model.kinds[:1] == ("object",):
+        innermost = model.holders[0]  # holds the counter itself
+        if what == "retype":
+            innermost.__class__ = Twin
+        else:
+            innermost.scale = 3.0
     elif what == "swap_hook" and model.handle is not None:
         model.handle.remove()
         model.kinds = ()
@@ -209,9 +249,9 @@ def check(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> 
     # The oracle is built the same way, not deep-copied: a copy would share the hooks'
     # functions, and with them the paths to the model's own modules.
     torch.manual_seed(0)
-    model = Model(kinds, route)
+    model = Model(kinds, route, idle=what == "fill")
     torch.manual_seed(0)
-    oracle = Model(kinds, route)
+    oracle = Model(kinds, route, idle=what == "fill")
     wrapper = dp.DataParallel(model, devices)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
@@ -269,6 +309,13 @@ FOUND = [
     pytest.param(("dict",), "call", "retarget", id="dict-item-set-between-calls"),
     pytest.param(("tuple",), "hook", "swap_hook", id="hook-swapped-between-calls"),
     pytest.param(("partial",), "prehook", "swap_hook", id="pre-hook-swapped-between-calls"),
+    # issue 50: holders that led nowhere, written in place after the first calls; a copied
+    # holder's class swapped or slot written
+    pytest.param(("list", "closure"), "hook", "fill", id="closure-list-filled-later"),
+    pytest.param(("dict",), "call", "fill", id="dict-attribute-filled-later"),
+    pytest.param(("object", "partial"), "prehook", "fill", id="object-filled-later"),
+    pytest.param(("object",), "hook", "retype", id="holder-class-swapped"),
+    pytest.param(("object", "dict"), "call", "slot", id="holder-slot-written"),
 ]
 
 

@@ -13,10 +13,15 @@ to it (an append, an item set) can be seen. Used by :mod:`._rebind`.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dis
 import functools
 import operator
+import os
+import site
+import sys
+import sysconfig
 import types
 import weakref
 from typing import Any
@@ -66,15 +71,28 @@ class Pass:
 
     ``copied`` lists each source object that was rebuilt, with what it held when it was read
     (:func:`contents`): a write to it later (an item set, an append) is a change the replicas
-    must see, and the check compares exactly these.
+    must see, and the check compares exactly these. With ``watch``, ``walked`` lists the same
+    for every holder the pass looked into and left shared (it led nowhere): a write to one
+    later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
+    pass stopped short (past :data:`MAX_DEPTH` or :data:`MAX_VISITS`): what lies beyond was
+    not searched.
+
+    Code and objects of installed packages and the standard library (:func:`from_library`)
+    are searched for the tree as any other, but are not watched, and a search that stops
+    short inside them is not a cut: their state is the library's (loggers, configs,
+    registries), not the model's, and watching it would cost every call.
     """
 
-    __slots__ = ("copied", "mapping", "memo", "visits")
+    __slots__ = ("copied", "cut", "library", "mapping", "memo", "visits", "walked", "watch")
 
-    def __init__(self, mapping: Mapping) -> None:
+    def __init__(self, mapping: Mapping, watch: bool = False) -> None:
         self.mapping = mapping
         self.memo: dict[int, Any] = {}
         self.copied: list[tuple[Any, list[Any]]] = []
+        self.walked: list[tuple[Any, list[Any]]] = []
+        self.watch = watch
+        self.cut = False
+        self.library = 0  # how deep inside a library's object or function the pass is
         self.visits = 0
 
     def rebind(self, value: Any, depth: int) -> Any:
@@ -92,19 +110,28 @@ class Pass:
             return types.MethodType(func, owner)
         if isinstance(value, nn.Module):
             return self.mapping.get(id(value), value)
-        if depth >= MAX_DEPTH or self.visits >= MAX_VISITS or isinstance(value, _OPAQUE):
+        if isinstance(value, _OPAQUE):
             return value
         key = id(value)
         if key in self.memo:
             return self.memo[key]
+        if depth >= MAX_DEPTH or self.visits >= MAX_VISITS:
+            self.cut = self.cut or not self.library
+            return value
         self.memo[key] = value  # a cycle back to this value keeps it as it is
         self.visits += 1
+        library = from_library(value, kind)
+        self.library += library
         try:
             result = self._rebuild(value, kind, depth + 1)
         except Exception:  # an object copy cannot make: left as it is (``reaches`` decides)
             result = value
+        finally:
+            self.library -= library
         if result is not value:
             self.copied.append((value, contents(value)))
+        elif self.watch and not self.library and not library and kind is not tuple:
+            self.walked.append((value, contents(value)))  # (a tuple's items cannot change)
         self.memo[key] = result
         return result
 
@@ -214,7 +241,7 @@ class Pass:
         globals_ = value.__globals__
         overlay: dict[str, Any] = {}
         reads, writes = global_names(value.__code__)
-        if not writes:
+        if not writes and not from_library(value, types.FunctionType):
             for name in reads:
                 held = globals_.get(name, _ABSENT)
                 if held is _ABSENT:
@@ -270,6 +297,55 @@ def global_names(code: types.CodeType) -> tuple[frozenset[str], bool]:
             reads |= inner
             writes = writes or inner_writes
     return frozenset(reads), writes
+
+
+# General holders (and their subclasses: OrderedDict, defaultdict, namedtuples), which hold
+# the user's state whoever defined their class.
+_HOLDERS = (
+    list,
+    dict,
+    tuple,
+    set,
+    frozenset,
+    functools.partial,
+    types.SimpleNamespace,
+    collections.deque,
+)
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+
+
+_LIBRARY_ROOTS = _library_roots()
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_module(name: str | None) -> bool:
+    """Whether the module ``name`` is an installed package's or the standard library's (by
+    where its file lies), not the user's script or project."""
+    if not name or name == "__main__":
+        return False
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return module is not None and name in sys.builtin_module_names
+    return os.path.realpath(file).startswith(_LIBRARY_ROOTS)
+
+
+def from_library(value: Any, kind: type) -> bool:
+    """Whether ``value`` (a function, or an object of class ``kind``) is an installed
+    package's or the standard library's: its code, or its class, is defined there. General
+    holders (lists, dicts, tuples, sets, partials, namespaces, deques, and their subclasses)
+    are never: what they hold is whoever filled them's."""
+    if kind is types.FunctionType:
+        return _library_module(getattr(value, "__module__", None))
+    if isinstance(value, _HOLDERS):
+        return False
+    return _library_module(getattr(kind, "__module__", None))
 
 
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()

@@ -42,9 +42,11 @@ from dataparallel.replicate._check import filled
 from dataparallel.replicate._copy import (
     ATOMS,
     MAX_DEPTH,
+    MAX_VISITS,
     Mapping,
     Pass,
     contents,
+    from_library,
     global_names,
     rebind,
 )
@@ -118,7 +120,8 @@ class Rebinding:
     ``keys``: the ``__dict__`` entries of a module that hold something bound to the tree
     (searched at each refill of the module, applied to each replica's new ``__dict__``);
     ``serial``: the modules whose hooks, forward or attributes lead back to the tree through
-    something that cannot be rebound, and which one (the replicas then run one at a time);
+    something that cannot be rebound, or are too large to search, and which one and why
+    (``"unbound"`` or ``"limit"``; the replicas then run one at a time);
     ``watched``: per module, each holder its replicas hold a rebuilt copy of (a list of
     submodules, a closure's cells, an object of the user's own), with what it held then: a
     write to one since (``order.append(m)``, ``route["k"] = m``) refills that module.
@@ -128,7 +131,7 @@ class Rebinding:
 
     def __init__(self) -> None:
         self.keys: dict[int, tuple[str, ...]] = {}
-        self.serial: dict[int, tuple[str, Any]] = {}
+        self.serial: dict[int, tuple[str, Any, str]] = {}
         self.watched: dict[int, list[tuple[Any, list[Any]]]] = {}
         self.warned = False
 
@@ -138,15 +141,20 @@ class Rebinding:
         tree = set(probe)
         for i in indices:
             d = modules[i].__dict__
-            search = Pass(probe)
-            keys = bound_keys(d, search, type(modules[i]))
+            search = Pass(probe, watch=True)
+            keys, cut = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
-                self.watched[i] = search.copied
             else:
                 self.keys.pop(i, None)
+            # Every holder the search read, copied or left shared: a write to one since is a
+            # change (a list that led nowhere, later given a module of the tree).
+            watched = search.copied + search.walked
+            if watched:
+                self.watched[i] = watched
+            else:
                 self.watched.pop(i, None)
-            found = _unbound(d, probe, tree, _skipped(type(modules[i])))
+            found = cut or _unbound(d, probe, tree, _skipped(type(modules[i])))
             if found is None:
                 self.serial.pop(i, None)
             else:
@@ -183,7 +191,7 @@ class Rebinding:
         need not); warns once per replica set."""
         if not self.serial:
             return None
-        index, (table, hook) = min(self.serial.items())
+        index, (table, hook, why) = min(self.serial.items())
         names = {id(m): n for n, m in modules[0].named_modules()}
         name = names.get(id(modules[index]), type(modules[index]).__name__)
         what = getattr(hook, "__qualname__", None) or type(hook).__name__
@@ -191,37 +199,59 @@ class Rebinding:
         reason = f"the {_KINDS.get(table, f'attribute {table!r},')} {what} of {where}"
         if not self.warned and replicas > 1:
             self.warned = True
+            if why == "limit":
+                found = (
+                    f"is too large to search for a way back to the module (past {MAX_VISITS:,} "
+                    f"objects or {MAX_DEPTH} levels), so it might run on your module from "
+                    f"every replica's thread at once"
+                )
+                fix = (
+                    "To run them in parallel, have it hold what it uses rather than a large "
+                    "structure that also leads to the module"
+                )
+            else:
+                found = (
+                    "leads back to the module through an object that cannot be rebound to "
+                    "each replica, so it would run on your module from every replica's thread "
+                    "at once"
+                )
+                fix = (
+                    "To run them in parallel, make it a method of the module, or a function, "
+                    "closure or functools.partial over the module: those are rebound to each "
+                    "replica"
+                )
             warn_user(
-                f"module: {reason} leads back to the module through an object that cannot be "
-                f"rebound to each replica, so it would run on your module from every replica's "
-                f"thread at once; the replicas of this module run one after another on the "
-                f"calling thread instead. To run them in parallel, make it a method of the "
-                f"module, or a function, closure or functools.partial over the module: those "
-                f"are rebound to each replica"
+                f"module: {reason} {found}; the replicas of this module run one after another "
+                f"on the calling thread instead. {fix}"
             )
         return reason
 
 
 def _unbound(
     d: dict[str, Any], probe: Mapping, tree: set[int], skipped: frozenset[str] = _SKIPPED
-) -> tuple[str, Any] | None:
+) -> tuple[str, Any, str] | None:
     """The first hook, instance ``forward`` or attribute of a module's ``__dict__`` ``d`` that
     still leads to the tree once rebound (something a copy cannot make, a function that
-    assigns a global), as (table or attribute name, value). ``skipped``: entries never
-    searched (``_skipped``)."""
+    assigns a global), or whose way back is too large to search, as (table or attribute name,
+    value, ``"unbound"`` or ``"limit"``). ``skipped``: entries never searched (``_skipped``)."""
+
+    def leads(value: Any) -> str | None:
+        found = reaches(rebind(value, probe), tree)
+        return None if found is False else "unbound" if found else "limit"
+
     forward = d.get("forward")
-    if forward is not None and reaches(rebind(forward, probe), tree):
-        return "forward", forward
+    if forward is not None and (why := leads(forward)):
+        return "forward", forward, why
     for name in REBOUND_TABLES:
         table = d.get(name)
         for hook in table.values() if table else ():
-            if reaches(rebind(hook, probe), tree):
-                return name, hook
+            if why := leads(hook):
+                return name, hook, why
     for name, value in d.items():
         if type(value) in ATOMS or name in skipped or name == "forward":
             continue
-        if reaches(rebind(value, probe), tree):
-            return name, value
+        if why := leads(value):
+            return name, value, why
     return None
 
 
@@ -232,29 +262,44 @@ CLASS_FORWARD = "forward of the class"
 
 def bound_keys(
     d: dict[str, Any], probe: Mapping | Pass, cls: type | None = None
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, ...], tuple[str, Any, str] | None]:
     """The entries of a module's ``__dict__`` (plain attributes, and the hook tables of
     :data:`REBOUND_TABLES`) that hold something :func:`rebind` changes, with ``probe`` any
     mapping of the tree's module ids (or a pass over one, which then records what it copied);
     :data:`CLASS_FORWARD` when the class's ``forward`` reads a module-level name that leads to
-    the tree. Searched once per module per refill; most modules have none."""
+    the tree. Searched once per module per refill; most modules have none.
+
+    Also the first entry the search stopped short in (past its depth or object limits), as
+    ``(table or attribute name, value, "limit")``, else ``None``: what lies beyond was not
+    searched, so it may lead to the tree unrebound.
+    """
     search = probe if isinstance(probe, Pass) else Pass(probe)
     found: list[str] = []
+    cut: tuple[str, Any, str] | None = None
     skipped = _skipped(cls)
+
+    def look(name: str, value: Any) -> bool:
+        nonlocal cut
+        was = search.cut
+        changed = search.rebind(value, 0) is not value
+        if search.cut and not was and cut is None:
+            cut = (name, value, "limit")
+        return changed
+
     if cls is not None and "forward" not in d:
         forward = getattr(cls, "forward", None)
-        if type(forward) is types.FunctionType and search.rebind(forward, 0) is not forward:
+        if type(forward) is types.FunctionType and look("forward", forward):
             found.append(CLASS_FORWARD)
     for name, value in d.items():
         if type(value) in ATOMS or name in skipped:
             continue
-        if search.rebind(value, 0) is not value:
+        if look(name, value):
             found.append(name)
     for name in REBOUND_TABLES:
         table = d.get(name)
-        if table and any(search.rebind(h, 0) is not h for h in table.values()):
+        if table and any([look(name, h) for h in table.values()]):
             found.append(name)
-    return tuple(found)
+    return tuple(found), cut
 
 
 def rebind_state(
@@ -281,11 +326,12 @@ def rebind_state(
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Tensor, type, types.ModuleType)
 
 
-def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool:
+def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool | None:
     """Whether ``value`` (a rebound hook or forward) still leads to a module whose id is in
     ``tree``: through an object's attributes, a closure, a bound method, at any depth. Other
     modules (the replicas) are not looked into. A search past ``limit`` objects answers
-    ``False``: the hook is then assumed not to touch the tree (a logger, a large registry)."""
+    ``None``: it is not known (a logger, a large registry), and the caller runs the replicas
+    one at a time rather than assume."""
     seen: set[int] = set()
     stack = [value]
     while stack:
@@ -298,13 +344,15 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool:
             continue
         seen.add(id(obj))
         if len(seen) > limit:
-            return False
+            return None
         if isinstance(obj, types.FunctionType):
             stack.extend(c.cell_contents for c in obj.__closure__ or () if filled(c))
-            # the module-level names its code reads (``model`` in a hook of the script)
-            reads, _ = global_names(obj.__code__)
-            g = obj.__globals__
-            stack.extend(g[name] for name in reads if name in g)
+            # the module-level names its code reads (``model`` in a hook of the script); a
+            # library's are its own state, as ``rebind`` takes them
+            if not from_library(obj, types.FunctionType):
+                reads, _ = global_names(obj.__code__)
+                g = obj.__globals__
+                stack.extend(g[name] for name in reads if name in g)
             stack.extend(obj.__defaults__ or ())
             stack.extend((obj.__kwdefaults__ or {}).values())
             stack.append(obj.__dict__)

@@ -1,0 +1,151 @@
+"""What the pass that builds a replica read is what the next call compares (issue 50, items
+3 and 6): a holder that led nowhere when the replicas were built, later written to hold a
+module of the tree, and a holder too large to search. Before, the hook ran on the user's module
+from every replica's thread (``m.calls`` 9 for 3 calls on 3 replicas), with no warning.
+
+The oracle is the same module run plainly: its call count, its outputs, its buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from _close import assert_close_rel
+from dataparallel.replicate._copy import MAX_VISITS
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.calls = 0
+        self.route: dict[str, Any] = {"norm": nn.Identity()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.route["norm"](self.lin(x))
+
+
+def _counting_hook(holder: list[Any]) -> Any:
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        for owner in holder:
+            owner.calls += 1
+        return out
+
+    return hook
+
+
+def _run(wrapper: dp.DataParallel, calls: int) -> None:
+    x = torch.randn(6, 3)
+    for _ in range(calls):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a serial run warns; the counts are the test
+            wrapper(x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_list_that_led_nowhere_later_holds_the_model(devices: list[str]) -> None:
+    model = Net()
+    holder: list[Any] = []
+    model.lin.register_forward_hook(_counting_hook(holder))
+    wrapper = dp.DataParallel(model, devices)
+    _run(wrapper, 4)
+    holder.append(model)
+    _run(wrapper, 3)
+    assert model.calls == 3  # once per call, as on one device
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_closure_cell_rebound_by_nonlocal(devices: list[str]) -> None:
+    model = Net()
+    target: Any = None
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if target is not None:
+            target.calls += 1
+        return out
+
+    def point_at(value: Any) -> None:
+        nonlocal target
+        target = value
+
+    model.lin.register_forward_hook(hook)
+    wrapper = dp.DataParallel(model, devices)
+    _run(wrapper, 4)
+    point_at(model)
+    _run(wrapper, 3)
+    assert model.calls == 3
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_defaults_assigned_later(devices: list[str]) -> None:
+    model = Net()
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor, owner: Any = None) -> Any:
+        if owner is not None:
+            owner.calls += 1
+        return out
+
+    model.lin.register_forward_hook(hook)
+    wrapper = dp.DataParallel(model, devices)
+    _run(wrapper, 4)
+    hook.__defaults__ = (model,)
+    _run(wrapper, 3)
+    assert model.calls == 3
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_dict_attribute_later_routes_to_a_submodule(devices: list[str]) -> None:
+    model, oracle = Net(), Net()
+    wrapper = dp.DataParallel(model, devices)
+    _run(wrapper, 3)
+    model.route["norm"] = model.bn
+    oracle.route["norm"] = oracle.bn
+    _run(wrapper, 3)  # plain BatchNorm in training: per chunk, counted once per call
+    assert int(model.bn.num_batches_tracked) == 3  # 9 before: once per replica and call
+    model.eval()
+    oracle.eval()
+    oracle.bn.load_state_dict(model.bn.state_dict())
+    x = torch.randn(6, 3)
+    assert_close_rel(wrapper(x), oracle(x), msg="eval, through the routed BatchNorm")
+
+
+class Registry:
+    """A large registry a hook holds, with the model at its far end: more objects than the
+    search looks into before it gets there."""
+
+    def __init__(self, size: int, owner: nn.Module) -> None:
+        self.entries: list[dict[str, Any]] = [{"i": i} for i in range(size)]
+        self.entries[-1]["owner"] = owner
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS[:2], ids=str)
+def test_a_holder_past_the_search_limits_runs_serially_with_a_warning(
+    devices: list[str],
+) -> None:
+    # Before: neither rebound nor serial, and no word (the hook ran on the model from every
+    # replica's thread at once).
+    model = Net()
+    registry = Registry(MAX_VISITS + 10, model)
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        registry.entries[-1]["owner"].calls += 1
+        return out
+
+    model.lin.register_forward_hook(hook)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(6, 3)
+    with pytest.warns(UserWarning, match=r"too large to search") as caught:
+        wrapper(x)
+    message = next(str(w.message) for w in caught if "too large" in str(w.message))
+    assert "forward hook" in message and "'lin'" in message, message
+    assert "one after another" in message, message
