@@ -40,11 +40,9 @@ the whole batch: same seed, same result, and one device's statistics.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -54,6 +52,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dataparallel._common.warn import warn_user
+from dataparallel.parallel_apply._checkpointed import checkpointed, in_checkpoint
 
 __all__ = ["WAIT_SECONDS", "LayerTable", "ReplicaFailed", "SyncCall"]
 
@@ -484,53 +483,11 @@ class _Mode(TorchFunctionMode):
                 and _training(args, kwargs)
                 and id(layer) in self.call.table.index[self.index]
             ):
-                if _in_checkpoint():
+                if in_checkpoint(_RUN):
                     index = self.call.table.index[self.index][id(layer)]
-                    raise RuntimeError(_checkpointed(self.call.table.names[index]))
+                    raise RuntimeError(checkpointed(self.call.table.names[index]))
                 return self.call.batch_norm(self, layer, *args, **kwargs)
         return func(*args, **kwargs)
-
-
-def _checkpoint_codes() -> frozenset[types.CodeType]:
-    """The code of ``torch.utils.checkpoint.checkpoint`` (unwrapped: torch decorates it) and of
-    the reentrant kind's ``forward``, which code using ``CheckpointFunction.apply`` reaches."""
-    from torch.utils import checkpoint as module
-
-    codes = {inspect.unwrap(module.checkpoint).__code__}
-    function = getattr(module, "CheckpointFunction", None)
-    if function is not None:
-        codes.add(function.forward.__code__)
-    return frozenset(codes)
-
-
-_CHECKPOINT_CODES = _checkpoint_codes()
-
-
-def _in_checkpoint() -> bool:
-    """Whether this replica's forward reached the layer through ``torch.utils.checkpoint``:
-    its frames, from here down to the replica's own run (a checkpoint around the whole
-    wrapper call is below that, on the caller's side, and recomputes a whole call)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code is _RUN:
-            return False
-        if code in _CHECKPOINT_CODES:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def _checkpointed(name: str) -> str:
-    return (
-        f"SyncBatchNorm {name!r} runs inside torch.utils.checkpoint: expected it outside the "
-        f"checkpointed block, because the recompute in backward runs each replica's block on "
-        f"its own, where the replicas cannot meet, so it would normalise each chunk with its "
-        f"own statistics (gradients off, running statistics updated again; use_reentrant=False "
-        f"fails in backward with torch's CheckpointError); checkpoint only the layers around "
-        f"the SyncBatchNorm, or checkpoint around the whole wrapper call "
-        f"(checkpoint(wrapper, x, use_reentrant=True)), or use nn.BatchNorm (per chunk)"
-    )
 
 
 def _training(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
