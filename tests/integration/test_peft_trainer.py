@@ -3,8 +3,11 @@
 LoRA on a Llama-style causal LM, at Trainer's defaults (``remove_unused_columns=True``, no
 ``label_names``), against the same Trainer on the peft model itself. Before, the first step
 failed: Trainer read the signature of ``PeftModel.forward`` (``*args, **kwargs``) through the
-wrapper and dropped every column. What Trainer saves through the wrapper is an adapter with no
-tensor (peft filters out the ``module.*`` keys): said once, with the save that works.
+wrapper and dropped every column. What Trainer saved through the wrapper (``save_model`` and
+its checkpoints) was an adapter with no tensor: peft reads a state dict by its own module names,
+and the wrapper's keys were ``module.*``. A wrapped peft model's state dict is now the peft
+model's own (the guide's "peft's state dict"): the adapter saves, checkpoints and reloads as
+without the wrapper.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class _Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def _train(model: nn.Module, out: Path, batch: int) -> Any:
+def _train(model: nn.Module, out: Path, batch: int, **options: Any) -> Any:
     args = transformers.TrainingArguments(  # Trainer's defaults, but for a short SGD run
         output_dir=str(out),
         per_device_train_batch_size=batch,
@@ -69,13 +72,14 @@ def _train(model: nn.Module, out: Path, batch: int) -> Any:
         learning_rate=0.5,
         lr_scheduler_type="constant",
         use_cpu=True,
-        save_strategy="no",
+        save_strategy=options.pop("save_strategy", "no"),
         report_to=[],
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
+        **options,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(2 * batch))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(3 * batch))
     trainer.train()
     return trainer
 
@@ -107,16 +111,69 @@ def test_lora_trains_under_trainer_at_its_defaults(
         assert (got - value).abs().max() <= RTOL * value.abs().max().clamp(min=1e-6), name
 
 
-def test_a_save_through_the_wrapper_is_told_and_the_modules_save_reloads(tmp_path: Path) -> None:
-    model = _lora()
-    trainer = _train(dp.DataParallel(model, ["cpu", "cpu"]), tmp_path / "run", 5)
-    with pytest.warns(UserWarning, match=r"wrapper\.module\.save_pretrained\(dir\)"):
-        trainer.save_model(str(tmp_path / "through-the-wrapper"))
+def _adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert (got - want).abs().max() <= RTOL * want.abs().max().clamp(min=1e-6), what
+
+
+def test_the_adapter_saves_checkpoints_and_reloads_as_without_the_wrapper(
+    tmp_path: Path,
+) -> None:
+    # Before: an adapter_model.safetensors with no tensor, and from_pretrained loaded the
+    # untrained adapter (off by 0.42) with a warning only.
+    ref_model, model = _lora(), _lora()
+    ref = _train(ref_model, tmp_path / "one", 5, save_strategy="steps", save_steps=1)
+    par = _train(
+        dp.DataParallel(model, ["cpu", "cpu:1"]),
+        tmp_path / "par",
+        5,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    for name in ("saved", "checkpoint-2", "checkpoint-3"):
+        if name == "saved":
+            ref.save_model(str(tmp_path / "one" / name))
+            par.save_model(str(tmp_path / "par" / name))
+        want, got = _adapter(tmp_path / "one" / name), _adapter(tmp_path / "par" / name)
+        assert len(want) == 8 and sorted(got) == sorted(want), (name, sorted(got))
+        for key, value in want.items():
+            _close(got[key], value, f"{name}: {key}")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        trainer.model.state_dict()  # said once per wrapper
-    trainer.model.module.save_pretrained(str(tmp_path / "adapter"))
-    torch.manual_seed(7)
-    again = peft.PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "adapter"))
+        warnings.simplefilter("error", UserWarning)  # every tensor loads: no missing keys
+        torch.manual_seed(7)
+        again = peft.PeftModel.from_pretrained(tiny_llama(), str(tmp_path / "par" / "saved"))
     data = text_batch(4, seed=9)
     assert torch.equal(again(**data).logits, model(**data).logits)
+
+
+def test_the_state_dict_is_the_peft_models_and_loads_either_way() -> None:
+    model = _lora()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    state = wrapper.state_dict()
+    assert list(state) == list(model.state_dict())  # peft's own keys, as peft's savers read
+    again = dp.DataParallel(_lora(), ["cpu", "cpu"])
+    with torch.no_grad():
+        for p in again.parameters():
+            p.zero_()
+    again.load_state_dict(state)
+    for name, value in model.state_dict().items():
+        assert torch.equal(again.module.state_dict()[name], value), name
+    torch_form = nn.DataParallel(model).state_dict()  # module.* keys, as torch writes them
+    third = dp.DataParallel(_lora(), ["cpu", "cpu"])
+    third.load_state_dict(torch_form)
+    for name, value in model.state_dict().items():
+        assert torch.equal(third.module.state_dict()[name], value), name
+
+    class Outer(nn.Module):  # held inside a module: torch's keys, saved and loaded alike
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+    outer = Outer(wrapper).state_dict()
+    assert all(key.startswith("inner.module.") for key in outer)
+    Outer(dp.DataParallel(_lora(), ["cpu", "cpu"])).load_state_dict(outer)

@@ -4,9 +4,8 @@ Source: huggingface/peft examples/causal_language_modeling/train.py
 
 Ported: ``LoraConfig`` on the attention projections, ``get_peft_model``, training under
 ``Trainer`` at its defaults (``remove_unused_columns=True``: the wrapper presents the base
-model's signature, so the columns stay), then the save the guide names through the wrapper,
-``trainer.model.module.save_pretrained`` (Trainer's own ``save_model`` would pass the
-wrapper's ``module.*`` keys, which peft filters out: warned), and
+model's signature, so the columns stay), then Trainer's own ``trainer.save_model`` (the
+wrapper's state dict of a peft model is the peft model's own, which peft's save reads), and
 ``PeftModel.from_pretrained`` on a fresh base model, whose outputs are the trained model's.
 """
 
@@ -66,10 +65,9 @@ def run_all(model: Any, run: Any, folder: Path) -> dict[str, Any]:
         model=run, args=arguments(folder, 5), train_dataset=Rows(_rows(10, 24))
     )
     trainer.train()
-    adapter = model if run is model else trainer.model.module
+    trainer.save_model(str(folder / "adapter"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the base model's config warnings)
-        adapter.save_pretrained(str(folder / "adapter"))
         again = peft.PeftModel.from_pretrained(_base(), str(folder / "adapter"))
     probe = {
         k: torch.stack([row[k] for row in _rows(3, 25)]) for k in ("input_ids", "attention_mask")

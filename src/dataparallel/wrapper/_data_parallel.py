@@ -60,7 +60,7 @@ from dataparallel.wrapper._placement import (
 )
 from dataparallel.wrapper._read_through import names_of, owns, read_through
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
-from dataparallel.wrapper._saving import warn_prefixed_adapter
+from dataparallel.wrapper._saving import peft_load_state_dict, peft_state_dict
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
 from dataparallel.wrapper._warm import warm_call, warm_step
@@ -96,10 +96,10 @@ class DataParallel(nn.DataParallel):
 
     A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
     ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
-    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` and
-    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
-    CPU device lists, splits per-sample lists, never drops samples, and reuses its replicas
-    between calls. torch's ``__init__`` is not run (it refuses CPU lists and repeated
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` (a
+    peft model's own: ``_saving``), overridable ``scatter``, ``replicate``, ``parallel_apply``
+    and ``gather``. It also runs on CPU lists, splits per-sample lists, never drops samples,
+    and reuses its replicas. torch's ``__init__`` is not run (it refuses CPU lists and repeated
     devices); every attribute torch's methods read is set here.
 
     Args:
@@ -112,18 +112,13 @@ class DataParallel(nn.DataParallel):
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
-            ``"stack"``. Whatever it says, a call that passes ``num_items_in_batch`` (as
-            transformers' Trainer does; by keyword or position) gives each replica the whole
-            count, and the outputs computed from it (a causal LM's loss, a partial sum) come
-            back summed, as one device's (``dataparallel.wrapper._partial_sums``).
+            ``"stack"``; outputs computed from a ``num_items_in_batch`` argument come back
+            summed, as one device's (``dataparallel.wrapper._partial_sums``).
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
-        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, called on each chunk's
-            arguments (on its device) to weigh that chunk's scalar outputs in the ``"mean"``
-            in place of its size: for a loss computed in ``forward`` as a mean over tokens,
-            return the chunk's count of labelled tokens and the gathered loss is the
-            one-device one. Without it, a call that passes integer ``labels`` weighs its
-            loss by each chunk's labels other than -100 (``dataparallel.wrapper._labels``);
-            given, it replaces that rule. Ignored when ``gather`` is overridden.
+        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in
+            the ``"mean"`` of scalar outputs in place of its size (e.g. its count of labelled
+            tokens); it replaces the labels' rule (``dataparallel.wrapper._labels``). Ignored
+            when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
@@ -240,9 +235,14 @@ class DataParallel(nn.DataParallel):
         super().__delattr__(name)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's (``module.*`` keys); a peft module's saves drop them: said (``_saving``)."""
-        warn_prefixed_adapter(self)
-        return super().state_dict(*args, **kwargs)
+        """torch's (``module.*`` keys); a peft module's own at the top level (``_saving``)."""
+        own = peft_state_dict(self, args, kwargs)
+        return super().state_dict(*args, **kwargs) if own is None else own
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """torch's; for a peft module, its own keys too (``_saving``)."""
+        done = peft_load_state_dict(self, state_dict, args, kwargs)
+        return super().load_state_dict(state_dict, *args, **kwargs) if done is None else done
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
