@@ -217,3 +217,30 @@ def test_every_sample_once_in_order(batch: int, n: int) -> None:
     assert torch.equal(torch.cat([c[0] for c in chunks]), ids)
     assert [name for c in chunks for name in c[1]] == names
     assert all(len(c[1]) == c[0].shape[0] for c in chunks)
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args, kwargs
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu", "cpu:1"]], ids=str)
+def test_per_sample_records_with_a_shared_tensor_of_the_chunk_size_come_back_per_sample(
+    devices: list[str],
+) -> None:
+    """Found by the round trip above (batch 18 on 6 devices, records holding a ``dp.Shared``
+    tensor of 3 values, chunks of 3): every tensor inside each record had the chunk size, so
+    the records read as per-layer states (structure), and gather summed the 6 chunks' ids and
+    concatenated their shared tensors. A tensor every replica received alike is not batched:
+    the list is per-sample."""
+    shared = torch.full((3,), 2.0)
+    records = [{"id": i, "w": dp.Shared(shared)} for i in range(6)]
+    x = torch.arange(6)
+    p = plan((x,), {"records": records}, devices)
+    outputs = [take(p, start, length, device) for device, start, length in p.slices[0]]
+    back = gather(outputs, "cpu", chunk_sizes=[length for *_, length in p.slices[0]])
+    want = [{"id": i, "w": shared} for i in range(6)]
+    assert_same(back, ((x,), {"records": want}))
+    args, kwargs = dp.DataParallel(_Identity(), devices)(x, records=records)
+    assert_same(args, (x,))
+    assert_same(kwargs, {"records": want})

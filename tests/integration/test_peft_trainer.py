@@ -7,7 +7,10 @@ wrapper and dropped every column. What Trainer saved through the wrapper (``save
 its checkpoints) was an adapter with no tensor: peft reads a state dict by its own module names,
 and the wrapper's keys were ``module.*``. A wrapped peft model's state dict is now the peft
 model's own (the guide's "peft's state dict"): the adapter saves, checkpoints and reloads as
-without the wrapper.
+without the wrapper. Trainer tells a peft model by ``isinstance`` only, to resume its adapter
+and to read the label names from its base model: the wrapper of a peft model is an instance of
+its peft class (``dataparallel.wrapper._peft_class``), so it resumes, loads the best checkpoint
+and evaluates with labels as without the wrapper.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ class _Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {k: v[i] for k, v in self.data.items()}
 
 
-def _train(model: nn.Module, out: Path, batch: int, **options: Any) -> Any:
+def _train(
+    model: nn.Module, out: Path, batch: int, resume: Path | None = None, **options: Any
+) -> Any:
     args = transformers.TrainingArguments(  # Trainer's defaults, but for a short SGD run
         output_dir=str(out),
         per_device_train_batch_size=batch,
-        max_steps=3,
+        max_steps=options.pop("max_steps", 3),
         optim="sgd",
-        learning_rate=0.5,
+        learning_rate=options.pop("learning_rate", 0.5),
         lr_scheduler_type="constant",
         use_cpu=True,
         save_strategy=options.pop("save_strategy", "no"),
@@ -79,8 +84,10 @@ def _train(model: nn.Module, out: Path, batch: int, **options: Any) -> Any:
         seed=0,
         **options,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(3 * batch))
-    trainer.train()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_Rows(3 * batch), eval_dataset=_Rows(batch + 1)
+    )
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -177,3 +184,136 @@ def test_the_state_dict_is_the_peft_models_and_loads_either_way() -> None:
     outer = Outer(wrapper).state_dict()
     assert all(key.startswith("inner.module.") for key in outer)
     Outer(dp.DataParallel(_lora(), ["cpu", "cpu"])).load_state_dict(outer)
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    module = model.module if isinstance(model, nn.DataParallel) else model
+    return {k: v for k, v in module.state_dict().items() if "lora_" in k}
+
+
+def test_trainer_resumes_the_adapter_as_without_the_wrapper(tmp_path: Path) -> None:
+    # Before: train(resume_from_checkpoint=...) raised "Can't find a checkpoint index":
+    # Trainer resumes an adapter only for isinstance(model, PeftModel).
+    checkpoints = {"save_strategy": "steps", "save_steps": 1}
+    _train(_lora(), tmp_path / "one", 5, **checkpoints)
+    _train(dp.DataParallel(_lora(), ["cpu", "cpu:1"]), tmp_path / "par", 5, **checkpoints)
+    ref_model = _lora()
+    resumed = {"max_steps": 4, **checkpoints}
+    ref = _train(ref_model, tmp_path / "one-again", 5, tmp_path / "one" / "checkpoint-2", **resumed)
+    wrapper = dp.DataParallel(_lora(), ["cpu", "cpu:1"])
+    par = _train(wrapper, tmp_path / "par-again", 5, tmp_path / "par" / "checkpoint-2", **resumed)
+    assert len(_losses(par)) == 4  # steps 1 and 2 from the checkpoint's log, 3 and 4 run
+    assert _losses(par) == pytest.approx(_losses(ref), rel=RTOL)
+    want, got = _lora_weights(ref_model), _lora_weights(wrapper)
+    assert len(want) == 8 and sorted(got) == sorted(want)
+    for key, value in want.items():
+        _close(got[key], value, key)
+    untrained = _lora_weights(_lora())
+    assert not torch.equal(got[key], untrained[key])  # trained, then resumed
+
+
+@pytest.mark.parametrize(("devices", "batch"), LAYOUTS)
+def test_trainer_evaluates_and_loads_the_best_adapter_as_without_the_wrapper(
+    devices: list[str], batch: int, tmp_path: Path
+) -> None:
+    # Before: Trainer found no label names through the wrapper (find_labels read
+    # DataParallel.forward), so evaluate() gave no eval_loss and load_best_model_at_end found
+    # no metric; the best checkpoint's adapter was never loaded.
+    options: dict[str, Any] = {
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "loss",
+        "learning_rate": 8.0,  # large enough that the last step is not the best
+    }
+    ref_model = _lora()
+    ref = _train(ref_model, tmp_path / "one", batch, **options)
+    wrapper = dp.DataParallel(_lora(), devices)
+    par = _train(wrapper, tmp_path / "par", batch, **options)
+    assert par.label_names == ref.label_names == ["labels"]
+    evals = [h["eval_loss"] for h in par.state.log_history if "eval_loss" in h]
+    assert len(evals) == 3
+    assert evals == pytest.approx(
+        [h["eval_loss"] for h in ref.state.log_history if "eval_loss" in h], rel=RTOL
+    )
+    best = Path(ref.state.best_model_checkpoint).name
+    assert best != "checkpoint-3"  # the last step is not the best: loading it shows
+    assert par.state.best_model_checkpoint.endswith(best)
+    for key, value in _lora_weights(ref_model).items():
+        _close(_lora_weights(wrapper)[key], value, key)
+    want, got = ref.predict(_Rows(batch + 1)), par.predict(_Rows(batch + 1))
+    assert got.label_ids is not None and (got.label_ids == want.label_ids).all()
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=RTOL)
+
+
+def test_a_peft_models_wrapper_is_an_instance_of_its_class() -> None:
+    model = _lora()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    assert isinstance(wrapper, type(model)) and isinstance(wrapper, nn.DataParallel)
+    assert type(wrapper).__name__ == "DataParallel" and isinstance(wrapper, dp.DataParallel)
+    assert type(dp.DataParallel(_lora(), ["cpu"])) is type(wrapper)  # one class per peft class
+    # peft's names are the module's: read, written and deleted there
+    assert wrapper.get_base_model() is model.get_base_model()
+    assert wrapper.peft_config is model.peft_config
+    configs = dict(model.peft_config)
+    wrapper.peft_config = configs  # a property of peft's, with a setter: set on the module
+    assert model.peft_config is configs and "peft_config" not in vars(wrapper)
+    assert wrapper.save_pretrained.__self__ is model  # the module's, bound to it
+    # inspect still reads the constructor on the class
+    assert "device_ids" in inspect.signature(type(wrapper)).parameters
+    # copies keep the class; a plain module gives the plain class back, and a peft one again
+    for again in (copy.deepcopy(wrapper), _pickled(wrapper)):
+        assert type(again) is type(wrapper) and again.module is not model
+        data = text_batch(4, seed=2)
+        assert torch.equal(again(**data).logits, model(**data).logits)
+    wrapper.module = nn.Linear(2, 2)
+    assert type(wrapper) is dp.DataParallel and not isinstance(wrapper, peft.PeftModel)
+    wrapper.module = model
+    assert isinstance(wrapper, peft.PeftModel)
+
+
+def _pickled(module: nn.Module) -> Any:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_a_peft_classs_overrides_of_module_methods_never_run_on_the_wrapper() -> None:
+    """The method order puts the peft class before ``nn.Module``: a peft override of a module
+    method (none in today's peft) would run with the wrapper as ``self``. The wrapper's own
+    resolution is in the made class instead, and peft's other names read the module's."""
+    model = _lora()
+
+    class Overriding(type(model)):  # type: ignore[misc]
+        __module__ = "peft.overriding"  # a peft class, as the wrapper tells them
+
+        def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("peft's override ran")
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            raise AssertionError("peft's override ran")
+
+        def own_name(self) -> Any:
+            return self
+
+    model.__class__ = Overriding
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    assert isinstance(wrapper, Overriding)
+    assert all(name.startswith("module.") for name, _ in wrapper.named_parameters())
+    wrapper.zero_grad()
+    assert wrapper.own_name() is model  # the module's method, bound to the module
+    with pytest.raises(AttributeError, match="neither has its module"):
+        wrapper.no_such_name  # noqa: B018
+    data = text_batch(4, seed=3)
+    assert_close = torch.testing.assert_close
+    with torch.no_grad():
+        assert_close(wrapper(**data).logits, model.get_base_model()(**data).logits)

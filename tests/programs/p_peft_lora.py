@@ -1,4 +1,5 @@
-"""peft's LoRA for causal language modelling: train the adapter, save it, load it back.
+"""peft's LoRA for causal language modelling: train the adapter, evaluate, save it, resume
+from a checkpoint, load it back.
 
 Source: huggingface/peft examples/causal_language_modeling/train.py
 
@@ -6,7 +7,11 @@ Ported: ``LoraConfig`` on the attention projections, ``get_peft_model``, trainin
 ``Trainer`` at its defaults (``remove_unused_columns=True``: the wrapper presents the base
 model's signature, so the columns stay), then Trainer's own ``trainer.save_model`` (the
 wrapper's state dict of a peft model is the peft model's own, which peft's save reads), and
-``PeftModel.from_pretrained`` on a fresh base model, whose outputs are the trained model's.
+``PeftModel.from_pretrained`` on a fresh base model, whose outputs are the trained model's;
+then ``train(resume_from_checkpoint=...)`` from the step-2 checkpoint, two steps further. No
+``label_names``: Trainer reads them from the peft model's base model, and the wrapper of a peft
+model is an instance of its peft class, so ``evaluate`` reports the loss and the resume loads
+the adapter as without the wrapper.
 """
 
 from __future__ import annotations
@@ -61,11 +66,18 @@ def _rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def run_all(model: Any, run: Any, folder: Path) -> dict[str, Any]:
-    trainer = transformers.Trainer(
-        model=run, args=arguments(folder, 5), train_dataset=Rows(_rows(10, 24))
-    )
-    trainer.train()
-    trainer.save_model(str(folder / "adapter"))
+    def trainer(**overrides: Any) -> Any:
+        args = arguments(
+            folder, 5, label_names=None, save_strategy="steps", save_steps=2, **overrides
+        )
+        return transformers.Trainer(
+            model=run, args=args, train_dataset=Rows(_rows(10, 24)), eval_dataset=Rows(_rows(4, 26))
+        )
+
+    first = trainer()
+    first.train()
+    evaluated = first.evaluate()["eval_loss"]
+    first.save_model(str(folder / "adapter"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the base model's config warnings)
         again = peft.PeftModel.from_pretrained(_base(), str(folder / "adapter"))
@@ -74,4 +86,11 @@ def run_all(model: Any, run: Any, folder: Path) -> dict[str, Any]:
     }
     reloaded = again(**probe).logits
     assert torch.equal(reloaded, copy.deepcopy(model)(**probe).logits)  # exactly the trained one
-    return {"losses": losses(trainer), "reloaded": reloaded.detach()}
+    resumed = trainer(max_steps=4)
+    resumed.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
+    return {
+        "losses": losses(first),
+        "eval_loss": torch.tensor(evaluated),
+        "resumed": losses(resumed),
+        "reloaded": reloaded.detach(),
+    }

@@ -273,7 +273,7 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
                 and item.shape[dim] == size
             ):
                 return None  # a batched tensor: the list is structure (torch's reading)
-        if _all_batched_inside(value, dim, size):
+        if _all_batched_inside(value, dim, size) and not _same_inside(values):
             return None  # per-layer (h, c) pairs with the batch on dim 1: structure
     return found
 
@@ -289,6 +289,31 @@ def _all_batched_inside(items: list[Any], dim: int, size: int) -> bool:
         if not tensors or any(not -t.ndim <= dim < t.ndim or t.shape[dim] != size for t in tensors):
             return False
     return True
+
+
+def _same_inside(values: list[Any]) -> bool:
+    """Whether every replica's list holds the same tensors (one object, or equal values) as
+    the first's: values each replica received (``dp.Shared`` in per-sample records), which
+    are not batched even where their size is the chunk size, unlike per-layer states, which
+    each replica computes from its own chunk."""
+    first = [x for x in leaves(values[0]) if isinstance(x, torch.Tensor)]
+    for value in values[1:]:
+        tensors = [x for x in leaves(value) if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(first):
+            return False
+        for a, b in zip(first, tensors, strict=True):
+            if a is b:
+                continue
+            if a.shape != b.shape or a.dtype != b.dtype or a.numel() > _SMALL:
+                return False
+            if not torch.equal(a, b.to(a.device)):
+                return False
+    return True
+
+
+# The largest tensor ``_same_inside`` compares by value: the shared values of per-sample
+# records are small; a larger one is taken as computed per chunk (torch's reading).
+_SMALL = 4096
 
 
 def _any_batched(tensors: list[torch.Tensor], dim: int, size: int) -> bool:

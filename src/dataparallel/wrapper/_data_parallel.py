@@ -40,7 +40,6 @@ from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._explain import explain_call
 from dataparallel.wrapper._options import (
-    CHECKED,
     check_dim,
     check_module,
     check_plan_options,
@@ -52,13 +51,14 @@ from dataparallel.wrapper._partial_sums import (
     find_count,
     mark_chunks,
 )
+from dataparallel.wrapper._peft_class import class_for
 from dataparallel.wrapper._placement import (
     check_on_device,
     run_here,
     sentinels_hold,
     sentinels_of,
 )
-from dataparallel.wrapper._read_through import names_of, owns, read_through
+from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
 from dataparallel.wrapper._saving import peft_load_state_dict, peft_state_dict
 from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
@@ -91,7 +91,7 @@ _RUNTIME = (
 )
 
 
-class DataParallel(nn.DataParallel):
+class DataParallel(ModuleNames, nn.DataParallel):
     """Run ``module`` over several devices on one batch, split by the batch rules.
 
     A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
@@ -152,6 +152,10 @@ class DataParallel(nn.DataParallel):
     dtype = plan_option("dtype")
     strict = plan_option("strict")
 
+    def __new__(cls, module: Any = None, *args: Any, **kwargs: Any) -> DataParallel:
+        """A peft model's wrapper is an instance of its peft class too (``_peft_class``)."""
+        return nn.Module.__new__(cls if module is None else class_for(cls, module))
+
     def __init__(
         self,
         module: nn.Module,
@@ -204,51 +208,25 @@ class DataParallel(nn.DataParallel):
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
-    def __getattr__(self, name: str) -> Any:
-        """A name the wrapper does not define is the module's: ``w.config``, ``w.generate``
-        (read-through, ``dataparallel.wrapper._read_through``)."""
-        try:
-            return super().__getattr__(name)  # parameters, buffers, submodules: the wrapper's
-        except AttributeError as missing:
-            return read_through(self, name, missing)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Options set on a built wrapper (``w.scalars = "sum"``, ``w.output_rules = {...}``,
-        ``w.device_ids``, ``w.module``...) are checked as the constructor checks them; a
-        public name the wrapper does not define is written on the module (read-through)."""
-        if "_steps" in self.__dict__:  # built
-            check = CHECKED.get(name)
-            if check is not None:
-                value = check(self, value)
-            elif not owns(self, name):
-                setattr(self._modules["module"], name, value)
-                return
-        super().__setattr__(name, value)
-
-    def __dir__(self) -> list[str]:
-        return names_of(self, list(super().__dir__()))
-
-    def __delattr__(self, name: str) -> None:
-        if "_steps" in self.__dict__ and not owns(self, name):
-            delattr(self._modules["module"], name)  # read-through: the module's name
-            return
-        super().__delattr__(name)
-
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """torch's (``module.*`` keys); a peft module's own at the top level (``_saving``)."""
         own = peft_state_dict(self, args, kwargs)
-        return super().state_dict(*args, **kwargs) if own is None else own
+        return nn.DataParallel.state_dict(self, *args, **kwargs) if own is None else own
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         """torch's; for a peft module, its own keys too (``_saving``)."""
         done = peft_load_state_dict(self, state_dict, args, kwargs)
-        return super().load_state_dict(state_dict, *args, **kwargs) if done is None else done
+        return (
+            nn.DataParallel.load_state_dict(self, state_dict, *args, **kwargs)
+            if done is None
+            else done
+        )
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
         with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
         replica's own device (``_placement.run_here``)."""
-        replica = super()._replicate_for_data_parallel()
+        replica = nn.DataParallel._replicate_for_data_parallel(self)
         for name in _RUNTIME:
             replica.__dict__.pop(name, None)
         return replica

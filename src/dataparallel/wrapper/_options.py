@@ -19,6 +19,7 @@ from torch import nn
 from dataparallel.devices import check_runnable, resolve_devices, target_device
 from dataparallel.gather import check_output_rules, check_scalars
 from dataparallel.plan import build_plan
+from dataparallel.wrapper._peft_class import class_for
 
 __all__ = ["CHECKED", "PLAN_OPTIONS", "check_module", "check_plan_options"]
 
@@ -98,6 +99,8 @@ def _set_module(w: Wrapper, value: Any) -> Any:
     # (A module compiled as a whole is refused at the next call, where replicate checks it.)
     check_module(value)
     w.__dict__.pop("_sentinels", None)  # the new module's device is checked in full
+    # the class for the new module: a peft model's, or the plain one (``_peft_class``)
+    object.__setattr__(w, "__class__", class_for(type(w), value))
     return value
 
 

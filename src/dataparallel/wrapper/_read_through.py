@@ -20,7 +20,12 @@ was given. So the wrapper reads through:
   constructor checks them). ``del`` follows the same rule.
 
 ``isinstance(w, nn.DataParallel)``, ``w.module``, ``state_dict()`` keys (``module.*``) and the
-unwraps of transformers, accelerate and Lightning are unchanged: nothing here is patched.
+unwraps of transformers, accelerate and Lightning are unchanged: nothing here is patched. The
+names a peft model's class defines are the module's too, though the wrapper of one is an
+instance of that class (``dataparallel.wrapper._peft_class``).
+
+:class:`ModuleNames` is the wrapper's attribute access under these rules, a base of
+``DataParallel``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["WRAPPER_NAMES", "names_of", "owns", "read_through"]
+from dataparallel.wrapper._options import CHECKED
+from dataparallel.wrapper._peft_class import SHADOWED
+
+__all__ = ["WRAPPER_NAMES", "ModuleNames", "names_of", "owns", "read_through"]
 
 # What a built wrapper holds in its ``__dict__`` (or nn.Module's tables) as its own: torch's
 # DataParallel attributes and this wrapper's options.
@@ -53,6 +61,8 @@ WRAPPER_NAMES = frozenset(
 
 def owns(wrapper: nn.Module, name: str) -> bool:
     """Whether ``name`` is the wrapper's own (see the module's docstring), not the module's."""
+    if name in type(wrapper).__dict__.get(SHADOWED, ()):
+        return False  # a peft class's name on the wrapper of a peft model
     if name.startswith("_") or name in WRAPPER_NAMES:
         return True
     d = wrapper.__dict__
@@ -94,3 +104,37 @@ def names_of(wrapper: nn.Module, own: list[str]) -> list[str]:
     module = wrapped(wrapper)
     extra = [] if module is None else [n for n in dir(module) if not n.startswith("_")]
     return sorted({*own, *extra})
+
+
+class ModuleNames(nn.Module):
+    """Attribute access of a wrapper: its own names, the module's for the rest (see the
+    module's docstring). Options set on a built wrapper (``w.scalars = "sum"``,
+    ``w.device_ids``, ``w.module``...) are checked as the constructor checks them."""
+
+    def __getattr__(self, name: str) -> Any:
+        """A name the wrapper does not define is the module's: ``w.config``, ``w.generate``."""
+        try:
+            # parameters, buffers, submodules: the wrapper's (nn.Module's own lookup, named: in
+            # a peft model's wrapper, the peft class follows in the method order)
+            return nn.Module.__getattr__(self, name)
+        except AttributeError as missing:
+            return read_through(self, name, missing)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_steps" in self.__dict__:  # built
+            check = CHECKED.get(name)
+            if check is not None:
+                value = check(self, value)
+            elif not owns(self, name):
+                setattr(self._modules["module"], name, value)
+                return
+        nn.Module.__setattr__(self, name, value)
+
+    def __dir__(self) -> list[str]:
+        return names_of(self, list(nn.Module.__dir__(self)))
+
+    def __delattr__(self, name: str) -> None:
+        if "_steps" in self.__dict__ and not owns(self, name):
+            delattr(self._modules["module"], name)  # read-through: the module's name
+            return
+        nn.Module.__delattr__(self, name)

@@ -108,12 +108,15 @@ class PresentedForward:
 class PresentedSignature:
     """A class attribute ``__signature__``: ``inspect.signature(wrapper)`` is its forward's.
 
-    On the class it is ``None``, so ``inspect.signature(DataParallel)`` still reads
-    ``__init__``."""
+    On the class it is its ``__init__``'s, less ``self`` (``inspect`` would read the
+    ``__new__`` that makes a peft model's wrapper of its class, which takes ``*args``)."""
 
     def __get__(self, obj: Any, owner: type | None = None) -> inspect.Signature | None:
         if obj is None:
-            return None
+            if owner is None:
+                return None
+            init = inspect.signature(owner.__init__)  # type: ignore[misc]
+            return init.replace(parameters=list(init.parameters.values())[1:])
         try:
             return inspect.signature(obj.forward)
         except (TypeError, ValueError):
