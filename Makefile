@@ -4,24 +4,40 @@
 
 PYTHON ?= python3
 # Another Python gets a venv of its own beside .venv: `make test PYTHON=python3.13` sets up and
-# tests .venv-python3.13. CONSTRAINTS=constraints-newest.txt takes the newest torch tested;
-# PIP_ARGS passes options to pip, such as PyTorch's CPU index on a machine without a GPU
-# (README, "Quick start").
+# tests .venv-python3.13 (scripts/find_python.sh finds python3.13 on PATH, else in pyenv).
+# CONSTRAINTS=constraints-newest.txt takes the newest torch tested; PIP_ARGS passes options to
+# pip, such as PyTorch's CPU index on a machine without a GPU (README, "Quick start"): a
+# PIP_ARGS other than the one a venv was set up with sets that venv up again, from scratch,
+# since pip keeps an installed torch that satisfies the pins whatever index it came from.
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 CONSTRAINTS ?= constraints.txt
 PIP_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP_ARGS_FILE := $(VENV)/.pip-args
 
 .PHONY: setup train explain test test-newest lint bench bench-gpu readme-figures check-bare clean
 
 setup: $(STAMP)
 
+ifneq ($(strip $(PIP_ARGS)),)
+ifneq ($(strip $(PIP_ARGS)),$(strip $(shell cat $(PIP_ARGS_FILE) 2>/dev/null)))
+$(STAMP): pip-args-changed
+endif
+endif
+
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
+	@if [ -n '$(strip $(PIP_ARGS))' ] && [ -d $(VENV) ] && \
+	  [ '$(strip $(PIP_ARGS))' != "$$(cat $(PIP_ARGS_FILE) 2>/dev/null)" ]; then \
+	  echo "PIP_ARGS differs from $(VENV)'s: setting it up again"; rm -rf $(VENV); fi
+	py=$$(scripts/find_python.sh '$(PYTHON)') && "$$py" -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[dev,plot]'
+	$(if $(strip $(PIP_ARGS)),printf '%s\n' '$(strip $(PIP_ARGS))' > $(PIP_ARGS_FILE))
 	touch $(STAMP)
+
+.PHONY: pip-args-changed
+pip-args-changed:
 
 train: $(STAMP)
 	$(BIN)/dataparallel train $(ARGS)
