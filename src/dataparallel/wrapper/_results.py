@@ -90,6 +90,14 @@ class LastCall:
     """``wrapper.last_call``: the load of this thread's last call through the wrapper
     (``None`` before one); assigning it records the value for this thread."""
 
+    def __init__(self) -> None:
+        # help() and the reference show an attribute's own text, not its class's
+        self.__doc__ = (
+            "The load of this thread's last call through the wrapper: a ``CallStats`` (its\n"
+            "devices, chunk sizes, seconds and waves), or ``None`` before a call. Each thread\n"
+            "sees its own; ``print(w.last_call)`` shows one row per replica."
+        )
+
     @overload
     def __get__(self, wrapper: None, owner: type) -> LastCall: ...
 
