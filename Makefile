@@ -49,7 +49,7 @@ $(DOCS_STAMP): $(STAMP)
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
-	$(BIN)/python -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+	$(BIN)/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
 export VERSIONS := import sys, torch, transformers; print(f"testing on Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")

@@ -115,7 +115,7 @@ def test_every_public_docstring_has_its_sections(name: str) -> None:
             needed.append("Yields:")
         elif returns != "None":
             needed.append("Returns:")
-    if name not in RECORDS:
+    if name not in RECORDS and "raises nothing" not in doc:  # (it says so, where it is so)
         needed.append("Raises:")
     absent = [section for section in needed if section not in doc]
     assert not absent, f"{name}'s docstring lacks {absent}"
@@ -158,7 +158,7 @@ def test_help_of_the_wrapper_reads_as_its_own() -> None:
         assert section in text, f"help(DataParallel) has no {section} section"
     attributes = text.split("Attributes:", 1)[1].split("Raises:", 1)[0]
     for name in ("scalars", "output_rules", "options", "scalar_weights", "last_call"):
-        assert f"{name}:" in attributes or f"{name} " in attributes, name
+        assert re.search(rf"\b{name}\b", attributes), f"{name} is not under Attributes"
     for step in ("train_step", "val_step", "test_step"):
         assert re.search(rf"^ \|  {step}\(.*\)\n \|      \S", text, re.M), step
     assert re.search(r"^ \|  last_call\n \|      \S", text, re.M), "last_call has no text"
