@@ -38,7 +38,6 @@ napoleon_use_rtype = False
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_member_order = "bysource"
-autodoc_class_signature = "separated"
 
 # The guide's "#### The labels' rule" and the like become link targets (slugs).
 myst_heading_anchors = 4
@@ -55,5 +54,6 @@ nitpick_ignore_regex = [
 # ``SyncCall`` is made by the library, never by the caller; the Args sections say what to pass.
 nitpick_ignore = [
     ("py:class", "ScalarMode"),
+    ("py:class", "T"),  # the markers' type variable: Shared(obj) and Split(obj) take any obj
     ("py:class", "dataparallel.parallel_apply._rendezvous.SyncCall"),
 ]

@@ -103,10 +103,10 @@ class DataParallel(ModuleNames, nn.DataParallel):
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
-        device_ids: device specs (``[0, 1]``, ``["cpu", "cpu"]``, ``[0, 0]``); ``None`` means
-            every visible CUDA device, else the CPU.
-        output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
-            ``device_ids[0]``.
+        device_ids (list[DeviceSpec] | DeviceSpec | None): device specs (``[0, 1]``, ``["cpu",
+            "cpu"]``, ``[0, 0]``); ``None`` means every visible CUDA device, else the CPU.
+        output_device (DeviceSpec | None): where the gathered output lands (``-1`` or
+            ``"cpu"``: the CPU); default ``device_ids[0]``.
         dim: the batch dimension.
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
@@ -269,7 +269,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
+        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call. Any
         other call is torch's own."""
         if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
