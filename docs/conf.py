@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 # The source tree, not an installed copy: the reference documents the code beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -57,3 +58,21 @@ nitpick_ignore = [
     ("py:class", "T"),  # the markers' type variable: Shared(obj) and Split(obj) take any obj
     ("py:class", "dataparallel.parallel_apply._rendezvous.SyncCall"),
 ]
+
+# The public type aliases, as annotations name them (``DeviceSpec``): Sphinx 9 finds them under
+# ``.. currentmodule:: dataparallel``, Sphinx 8 looks for the bare name; both link to the entry.
+_ALIASES = {"DeviceSpec", "ScalarWeights"}
+
+
+def _link_alias(app: Any, env: Any, node: Any, contnode: Any) -> Any:
+    target = node.get("reftarget")
+    if node.get("refdomain") != "py" or target not in _ALIASES:
+        return None
+    python = env.get_domain("py")
+    return python.resolve_xref(
+        env, node["refdoc"], app.builder, "data", f"dataparallel.{target}", node, contnode
+    )
+
+
+def setup(app: Any) -> None:
+    app.connect("missing-reference", _link_alias)

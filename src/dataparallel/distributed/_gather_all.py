@@ -203,7 +203,7 @@ def gather_all(
 
     Returns:
         The ranks' outputs gathered into one, the same on every rank; without a process group,
-        ``obj`` itself on ``device``.
+        ``obj`` gathered as one rank's (its tensors on ``device``).
 
     Raises:
         ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
