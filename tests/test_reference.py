@@ -162,3 +162,9 @@ def test_help_of_the_wrapper_reads_as_its_own() -> None:
     for step in ("train_step", "val_step", "test_step"):
         assert re.search(rf"^ \|  {step}\(.*\)\n \|      \S", text, re.M), step
     assert re.search(r"^ \|  last_call\n \|      \S", text, re.M), "last_call has no text"
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLIC if inspect.isclass(getattr(dp, n))])
+def test_no_public_class_shows_torchs_constructor_text(name: str) -> None:
+    text = pydoc.render_doc(getattr(dp, name), renderer=pydoc.plaintext)
+    assert "Initialize internal Module state" not in text

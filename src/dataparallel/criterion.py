@@ -79,6 +79,7 @@ class DataParallelCriterion(nn.Module):
         *,
         scalars: str | None = None,
     ) -> None:
+        """Check ``criterion``, the devices and ``scalars`` now (the class's Args)."""
         super().__init__()
         if not callable(criterion):
             raise TypeError(
