@@ -115,8 +115,8 @@ class DataParallel(ModuleNames, nn.DataParallel):
             summed, as one device's (the guide's "The count, num_items_in_batch").
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
         scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in the
-            ``"mean"`` of scalar outputs in place of its size (its labelled tokens...), in place
-            of the guide's "The labels' rule". Ignored when ``gather`` is overridden.
+            ``"mean"`` of scalar outputs instead of its size (its labelled tokens...); it
+            replaces the guide's "The labels' rule". Ignored when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
@@ -127,8 +127,8 @@ class DataParallel(ModuleNames, nn.DataParallel):
             ``torch.compile(wrapper)`` compiles none of the model: use this.
 
     Attributes:
-        module, device_ids, output_device, dim: torch's, as ``torch.device`` objects; setting
-            one is checked as the constructor checks it.
+        module, device_ids, output_device, dim: torch's (the devices as ``torch.device``
+            objects); setting one is checked as the constructor checks it.
         options (dict): the batch options by name, each also an attribute (``w.max_size = 4``,
             checked against the devices when set).
         scalars, scalar_weights, output_rules: as given; settable, read at every call.
@@ -138,7 +138,8 @@ class DataParallel(ModuleNames, nn.DataParallel):
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
         ValueError: a device spec, batch option, ``scalars`` or ``output_rules`` that cannot
-            hold (a CUDA index not visible...), named with its fix; a call, the batch rules'.
+            hold (a CUDA index not visible...), named with its fix. A call raises the batch
+            rules' errors (``dp.plan``'s) and the module's own.
 
     Example:
         >>> import torch, dataparallel as dp
