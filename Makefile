@@ -16,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP_ARGS_FILE := $(VENV)/.pip-args
 
-.PHONY: setup train explain test test-newest lint bench bench-gpu readme-figures check-bare clean
+.PHONY: setup train explain test test-newest lint docs bench bench-gpu readme-figures check-bare clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,19 @@ test: lint
 	$(BIN)/python -c "$$VERSIONS"
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# The API reference, the guide and the benchmarks page as HTML in docs/_build/html (open
+# index.html): Sphinx installed into the venv on first use (the `docs` extra), warnings as
+# errors, every cross-reference checked (-n).
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 export VERSIONS := import sys, torch, transformers; print(f"testing on Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
 
 # The same checks on the newest torch the registry serves (constraints-newest.txt), in a second
@@ -82,4 +95,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-* .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .venv-* docs/_build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -62,6 +62,8 @@ NOT_RUN = {
     },
     "make readme-figures": "retrains and rewrites README.md and benchmarks/results/ in place; "
     "tests/test_readme_figures.py checks its output against the README and a fresh run",
+    "make docs": "builds the reference with Sphinx, which it installs into the venv: CI runs "
+    "it (.ci/run), and tests/test_reference.py checks its sources",
     "make check-bare": "builds a second environment from the wheel; tests/test_bare_install.py "
     "runs the same script (scripts/bare_install.py)",
     MULTI_NODE: "two machines: needs HOST0 and a second node running the same command",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataparallel.checkpoints import load_unwrapped
 from dataparallel.criterion import DataParallelCriterion
-from dataparallel.devices import resolve_devices
+from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.distributed import (
     DistInfo,
     ShardedSampler,
@@ -19,7 +19,7 @@ from dataparallel.distributed import (
     init_distributed,
     shard,
 )
-from dataparallel.gather import gather
+from dataparallel.gather import ScalarWeights, gather
 from dataparallel.markers import Shared, Split
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Entry, Plan, Vote, plan
@@ -34,9 +34,11 @@ __all__ = [
     "DataParallel",
     "DataParallelCriterion",
     "DeviceOutputs",
+    "DeviceSpec",
     "DistInfo",
     "Entry",
     "Plan",
+    "ScalarWeights",
     "ShardedSampler",
     "Shared",
     "Split",

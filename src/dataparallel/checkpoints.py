@@ -67,11 +67,12 @@ def load_unwrapped(
         ValueError: no state dict in the checkpoint, or no prefix whose keys are ``model``'s.
         RuntimeError: ``load_state_dict``'s, for keys missing or unexpected under ``strict``.
 
-    >>> import torch, dataparallel as dp
-    >>> wrapper = dp.DataParallel(torch.nn.Linear(2, 1), ["cpu", "cpu"])
-    >>> plain = dp.load_unwrapped(wrapper.state_dict(), torch.nn.Linear(2, 1))
-    >>> torch.equal(plain.weight, wrapper.module.weight)
-    True
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> wrapper = dp.DataParallel(torch.nn.Linear(2, 1), ["cpu", "cpu"])
+        >>> plain = dp.load_unwrapped(wrapper.state_dict(), torch.nn.Linear(2, 1))
+        >>> torch.equal(plain.weight, wrapper.module.weight)
+        True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

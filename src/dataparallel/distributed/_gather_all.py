@@ -201,15 +201,21 @@ def gather_all(
         output_rules: ``{path: rule}`` as in ``dp.gather`` (``"sum"``, ``"mean"``, ``"same"``,
             ``"list"``, a batch dimension...), e.g. ``{"output['total']": "sum"}``.
 
+    Returns:
+        The ranks' outputs gathered into one, the same on every rank; without a process group,
+        ``obj`` gathered as one rank's (its tensors on ``device``).
+
     Raises:
         ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
             the message lists every rank's structure and shapes.
         TimeoutError: the exchange waited past the group's limit; the message names the
             ranks that stopped answering, and the job's store.
 
-    >>> import torch
-    >>> gather_all({"pred": torch.tensor([1, 2]), "names": ["a", "b"]})  # one process
-    {'pred': tensor([1, 2]), 'names': ['a', 'b']}
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> out = {"pred": torch.tensor([1, 2]), "names": ["a", "b"]}
+        >>> dp.gather_all(out, device="cpu")  # one process: its own outputs
+        {'pred': tensor([1, 2]), 'names': ['a', 'b']}
     """
     here = local_device() if device is None else resolve_device(device, where="device")
     local_size = _local_batch_size(obj, dim) if batch_size is None else int(batch_size)

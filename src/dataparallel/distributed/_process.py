@@ -61,6 +61,14 @@ class DistInfo:
         device: the device this process computes on.
         backend: ``"nccl"`` or ``"gloo"`` (or whatever an existing group uses); ``None`` when
             running as a single process without a process group.
+
+    A record ``init_distributed`` and ``ddp_session`` return, not one to build.
+
+    Example:
+        >>> import dataparallel as dp
+        >>> info = dp.init_distributed()  # no torchrun variables: one process, no group
+        >>> info.rank, info.local_rank, info.world_size, info.backend
+        (0, 0, 1, None)
     """
 
     rank: int
@@ -129,6 +137,13 @@ def init_distributed(
         ValueError: a variable is not an integer, ranks are out of range, ``MASTER_PORT`` is
             not a port number, ``MASTER_ADDR`` does not resolve, or ``timeout`` is not positive.
         TimeoutError: the other ranks did not all arrive within ``timeout``.
+
+    Example:
+        >>> import dataparallel as dp
+        >>> info = dp.init_distributed()  # run by plain python: rank 0 of 1, no group
+        >>> info.rank, info.world_size, info.backend
+        (0, 1, None)
+        >>> dp.destroy_distributed()  # (a no-op here; under torchrun, at the end of the job)
     """
     if dist.is_available() and dist.is_initialized():
         used = dist.get_backend()
@@ -184,6 +199,16 @@ def destroy_distributed(*, barrier: bool = True) -> None:
     Args:
         barrier: wait for every rank first (on a normal exit); pass ``False`` after an error,
             when a peer may be gone.
+
+    Raises:
+        RuntimeError: the barrier failed (torch's ``DistBackendError``: a peer is gone) or
+            passed the group's limit; the group is destroyed all the same.
+
+    Example:
+        >>> import torch.distributed as dist, dataparallel as dp
+        >>> dp.destroy_distributed()  # no process group: nothing to tear down, no error
+        >>> dist.is_initialized()
+        False
     """
     _liveness.stop()
     if not (dist.is_available() and dist.is_initialized()):
@@ -287,7 +312,18 @@ def ddp_session(
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
     Yields:
-        ``(ddp_module, info)``.
+        ``(ddp_module, info)``: the module under DDP, and this process's :class:`DistInfo`.
+
+    Raises:
+        RuntimeError, ValueError, TimeoutError: as :func:`init_distributed` raises them; an
+            error inside the block propagates after the group is destroyed.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> with dp.ddp_session(torch.nn.Linear(3, 1), backend="gloo") as (ddp, info):
+        ...     ddp(torch.randn(4, 3)).sum().backward()  # gradients all-reduced over ranks
+        >>> info.world_size, info.backend  # plain python: a private one-process group
+        (1, 'gloo')
     """
     from torch.nn.parallel import DistributedDataParallel
 

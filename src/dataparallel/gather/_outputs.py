@@ -5,8 +5,8 @@ The kinds of values and the rebuild functions are :mod:`dataparallel._common.kin
 lives here: the chain of keys that names an output (``output['attn']``), formatted only when a
 message needs it; :func:`to_target`, which moves a single replica's output to the target device,
 reusing every container whose contents did not move; :func:`rebuild_at`, a rebuild whose error
-names the output path; and the equality checks and sums of the guide's gather rules
-(docs/guide.md).
+names the output path; and the equality checks and sums of the guide's "The gather rules, in
+short".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Losses are averaged by chunk size (so a mean-reduced loss equals the one-device 
 or stacked, as ``scalars`` says; booleans come back once if equal, else are refused (naming
 ``output_rules``' ``"all"`` and ``"any"``); a value each replica received rather than computed
 (a buffer, an input) comes back once; integers tell counts
-(summed) from constants (kept), as the guide's gather rules say (docs/guide.md). ``gather``
+(summed) from constants (kept), as the guide's "The gather rules, in short" say. ``gather``
 dispatches here.
 """
 

@@ -96,43 +96,56 @@ class DataParallel(ModuleNames, nn.DataParallel):
 
     A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
     ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
-    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` (a
-    peft model's own: ``_saving``), overridable ``scatter``, ``replicate``, ``parallel_apply``
-    and ``gather``. It also runs on CPU lists, splits per-sample lists, never drops samples,
-    and reuses its replicas. torch's ``__init__`` is not run (it refuses CPU lists and repeated
-    devices); every attribute torch's methods read is set here.
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*``,
+    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
+    CPU lists, splits per-sample lists, never drops samples, and reuses its replicas. The
+    guide's "The wrapper" and "The batch rules, in short" say what each option does and why.
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
-        device_ids: device specs (``[0, 1]``, ``["cpu", "cpu"]``, ``[0, 0]``); ``None`` means
-            every visible CUDA device, else the CPU.
-        output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
-            ``device_ids[0]``.
+        device_ids (list[DeviceSpec] | DeviceSpec | None): device specs (``[0, 1]``, ``["cpu",
+            "cpu"]``, ``[0, 0]``); ``None`` means every visible CUDA device, else the CPU.
+        output_device (DeviceSpec | None): where the gathered output lands (``-1`` or
+            ``"cpu"``: the CPU); default ``device_ids[0]``.
         dim: the batch dimension.
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
             ``"stack"``; outputs computed from a ``num_items_in_batch`` argument come back
-            summed, as one device's (``dataparallel.wrapper._partial_sums``).
+            summed, as one device's (the guide's "The count, num_items_in_batch").
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
-        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in
-            the ``"mean"`` of scalar outputs in place of its size (e.g. its count of labelled
-            tokens); it replaces the labels' rule (``dataparallel.wrapper._labels``). Ignored
-            when ``gather`` is overridden.
+        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in the
+            ``"mean"`` of scalar outputs instead of its size (its labelled tokens...); it
+            replaces the guide's "The labels' rule". Ignored when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
             ``"sum"``, ``"mean"``, ``"stack"``, ``"all"`` or ``"any"`` (booleans), ``"same"``
             (one copy) or ``"list"`` (one per replica). Ignored when ``gather`` is overridden.
-        compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
-            ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
-            module itself) included, once per replica (not per call); the module is not
-            changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
+        compile: ``True``, or ``torch.compile``'s keyword arguments as a dict: each replica's
+            forward is compiled once, the module's own included (the module is not changed).
+            ``torch.compile(wrapper)`` compiles none of the model: use this.
 
-    >>> import torch, dataparallel as dp
-    >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
-    >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
-    (torch.Size([10, 2]), [4, 3, 3])
+    Attributes:
+        module, device_ids, output_device, dim: torch's (the devices as ``torch.device``
+            objects); setting one is checked as the constructor checks it.
+        options (dict): the batch options by name, each also an attribute (``w.max_size = 4``,
+            checked against the devices when set).
+        scalars, scalar_weights, output_rules: as given; settable, read at every call.
+        gather_outputs, compile_options: the ``gather`` and ``compile`` arguments.
+        last_call (CallStats | None): the load of this thread's last call.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
+        ValueError: a device spec, batch option, ``scalars`` or ``output_rules`` that cannot
+            hold (a CUDA index not visible...), named with its fix. A call raises the batch
+            rules' errors (``dp.plan``'s) and the module's own.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
+        >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
+        (torch.Size([10, 2]), [4, 3, 3])
     """
 
     # torch's meaning (the devices used, where the output lands), as ``torch.device`` objects:
@@ -153,7 +166,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
     strict = plan_option("strict")
 
     def __new__(cls, module: Any = None, *args: Any, **kwargs: Any) -> DataParallel:
-        """A peft model's wrapper is an instance of its peft class too (``_peft_class``)."""
+        """A peft model's wrapper is an instance of its peft class too (``isinstance`` holds)."""
         return nn.Module.__new__(cls if module is None else class_for(cls, module))
 
     def __init__(
@@ -175,6 +188,8 @@ class DataParallel(ModuleNames, nn.DataParallel):
         output_rules: Mapping[str, int | str] | None = None,
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
+        """Check every argument now and wrap ``module`` (the class's Args; torch's are not run:
+        they refuse CPU lists and repeated devices)."""
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
         self.module = check_module(module)
@@ -209,12 +224,12 @@ class DataParallel(ModuleNames, nn.DataParallel):
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's (``module.*`` keys); a peft module's own at the top level (``_saving``)."""
+        """torch's (``module.*`` keys); a peft model's own keys at the top level, as it saves."""
         own = peft_state_dict(self, args, kwargs)
         return nn.DataParallel.state_dict(self, *args, **kwargs) if own is None else own
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """torch's; for a peft module, its own keys too (``_saving``)."""
+        """torch's; for a peft model, its own keys (``state_dict``'s) too."""
         done = peft_load_state_dict(self, state_dict, args, kwargs)
         return (
             nn.DataParallel.load_state_dict(self, state_dict, *args, **kwargs)
@@ -255,7 +270,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
+        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call. Any
         other call is torch's own."""
         if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
@@ -274,13 +289,14 @@ class DataParallel(ModuleNames, nn.DataParallel):
         One path for every call: on one device the plan has one chunk, reused from the last
         call while the arguments' signature holds, its scatter moves nothing, and the module is
         its own replica, run on the caller's thread. Introspection sees the module's signature
-        (``dataparallel.wrapper._signature``).
+        (``inspect.signature(w.forward)``).
 
         Calls through one wrapper run one at a time (a training thread and an evaluation
         thread sharing it take turns): its replicas are one set of objects, re-synced for each
         call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
         saved. Threads that must run at once use a wrapper each (they share the module).
         A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
+        Returns the gathered output, or ``DeviceOutputs`` with ``gather=False``.
         """
         if torch.compiler.is_compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
