@@ -39,6 +39,7 @@ from dataparallel.replicate import (
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._explain import explain_call
+from dataparallel.wrapper._one_device import check_option, checked_call
 from dataparallel.wrapper._options import (
     check_dim,
     check_module,
@@ -88,6 +89,7 @@ _RUNTIME = (
     "_here",
     "_compiled_replicas",
     "_sync_layers",
+    "_one_device",
 )
 
 
@@ -128,6 +130,11 @@ class DataParallel(ModuleNames, nn.DataParallel):
             ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
             module itself) included, once per replica (not per call); the module is not
             changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
+        check: ``True`` compares calls with the same call on one device, on a copy of the
+            module (outputs, then parameters and buffers, then gradients at backward) and
+            warns ``dp.OneDeviceDifference`` per difference; ``"raise"`` raises it; ``None``
+            reads ``DATAPARALLEL_CHECK`` (``1`` or ``raise``). Which calls: ``check_every``
+            (``dataparallel.wrapper._one_device``; the guide's "Checking against one device").
 
     >>> import torch, dataparallel as dp
     >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
@@ -174,6 +181,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        check: bool | str | None = None,
     ) -> None:
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
@@ -205,6 +213,9 @@ class DataParallel(ModuleNames, nn.DataParallel):
         self.output_rules = check_output_rules(output_rules)
         # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
         self.compile_options = check_compile_option(compile)
+        # check=: "warn", "raise" or None (``_one_device``); None reads DATAPARALLEL_CHECK
+        self.check_mode = check_option(check)
+        self.check_every = 0
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
@@ -294,7 +305,9 @@ class DataParallel(ModuleNames, nn.DataParallel):
         try:
             self._check_module_device()
             try:
-                return self._pipeline(inputs, kwargs)
+                if self.__dict__.get("check_mode") is None:
+                    return self._pipeline(inputs, kwargs)
+                return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
             except RuntimeError:
                 check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
@@ -446,13 +459,17 @@ class DataParallel(ModuleNames, nn.DataParallel):
         """The plan this wrapper would follow for a call ``w(*inputs, **kwargs)``; runs nothing.
         Its notes say how the call's outputs will be gathered where that is not the default
         (``num_items_in_batch``), and which BatchNorm layers of the module are synchronised
-        over the replicas. Only such a call (and the step methods) is split: a method of the
+        over the replicas, and, under ``check=``, that the call is compared with one device's.
+        Only such a call (and the step methods) is split: a method of the
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
         weighted = self.scalar_weights is not None  # (they replace the labels' rule)
         devices, dim = self.device_ids, self.dim
-        return explain_call(module, inputs, kwargs, devices, dim, self.options, weighted=weighted)
+        check = self.__dict__.get("check_mode")
+        return explain_call(
+            module, inputs, kwargs, devices, dim, self.options, weighted=weighted, check=check
+        )
 
     # -- checks -----------------------------------------------------------------------------------
 
