@@ -30,6 +30,7 @@ from torch import nn
 
 from dataparallel._common.tree import flatten, map_tensors
 from dataparallel._common.warn import warn_user
+from dataparallel.wrapper._results import DeviceOutputs
 
 __all__ = [
     "CHECK_ENV",
@@ -225,28 +226,38 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _compare(w: Any, state: _State, session: _Session, out: Any, ref: Any) -> None:
     module: nn.Module = w._modules["module"]
-    if w.__dict__.get("gather_outputs", True):
+    # (per-device outputs, gather=False or a gather override's: no one output to compare)
+    if w.__dict__.get("gather_outputs", True) and not isinstance(out, DeviceOutputs):
         got_paths: list[str] = []
         got, _ = flatten(out, paths=got_paths, root="output")
-        want, _ = flatten(ref, paths=[], root="output")
-        if len(got) != len(want):
+        want_paths: list[str] = []
+        want, _ = flatten(ref, paths=want_paths, root="output")
+        ours = dict(zip(got_paths, got, strict=True))
+        theirs = dict(zip(want_paths, want, strict=True))
+        only_there = [p for p in want_paths if p not in ours]
+        only_here = [p for p in got_paths if p not in theirs]
+        # An object gather cannot put together (a cache, a record) comes back one per replica,
+        # the gather rules' documented "list": not a difference of values.
+        opaque = [p for p in only_there if not isinstance(theirs[p], _VALUES)]
+        only_here = [p for p in only_here if not any(p.startswith(f"{q}[") for q in opaque)]
+        if only_here or len(opaque) < len(only_there):
             _report(
                 w,
                 state,
                 "output",
-                f"output: {len(got)} values where one device returns {len(want)}; no rule of "
-                f"the library covers it",
+                f"output: other values than one device returns (only here: {only_here[:4]}; "
+                f"only there: {only_there[:4]}); no rule of the library covers it",
             )
-        else:
-            for path, a, b in zip(got_paths, got, want, strict=True):
-                _compare_output(w, state, path, a, b)
-                _hook(w, state, session, path, a, b)
+        for path, a in ours.items():
+            if path in theirs:
+                _compare_output(w, state, path, a, theirs[path])
+                _hook(w, state, session, path, a, theirs[path])
     mine = dict(_tensors(module))
-    for name, theirs in _tensors(session.copy):
-        ours = mine.get(name)
-        if ours is not None:
-            what = "parameter" if isinstance(theirs, nn.Parameter) else "buffer"
-            size = _difference(ours, theirs)
+    for name, copied in _tensors(session.copy):
+        held = mine.get(name)
+        if held is not None:
+            what = "parameter" if isinstance(copied, nn.Parameter) else "buffer"
+            size = _difference(held, copied)
             if size is not None:
                 _report(
                     w,
@@ -254,6 +265,9 @@ def _compare(w: Any, state: _State, session: _Session, out: Any, ref: Any) -> No
                     f"{what} {name}",
                     f"{what} {name} after the call: {size}{_why(what, module)}",
                 )
+
+
+_VALUES = (torch.Tensor, int, float, complex, str, bytes, type(None))
 
 
 def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
