@@ -218,7 +218,7 @@ def _set_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)
+    return t if t.device == device else torch.Tensor.to(t, device)
 
 
 # -- the comparisons ------------------------------------------------------------------------------
