@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
 DIM_Z, N_CLASSES, SHARED, BATCH = 6, 3, 4, 6
 
 
