@@ -240,6 +240,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
         replica = nn.DataParallel._replicate_for_data_parallel(self)
         for name in _RUNTIME:
             replica.__dict__.pop(name, None)
+        replica.__dict__["check_mode"] = None  # the outer wrapper's check= covers its calls
         return replica
 
     # The load of this thread's last call through this wrapper (``None`` before one).
