@@ -47,6 +47,9 @@ CHECK_ENV = "DATAPARALLEL_CHECK"
 # a float32 result by a few units in the 7th digit; a half-precision one in the 3rd.
 RTOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
 _RTOL_DEFAULT = 1e-4
+# Gradients pass back through every layer: a deep stack of BatchNorm layers over small maps
+# moves a float32 gradient by a few 1e-4 on summation order alone (princeton-vl's hourglass).
+_GRAD_SLACK = 10.0
 _FLOOR = 1e-3
 
 # A session that no backward closes (an evaluation loop with grad enabled) ends after this many
@@ -293,9 +296,11 @@ def _compare_output(w: Any, state: _State, path: str, a: Any, b: Any) -> None:
             _report(w, state, path, f"{path}: {size}{_why('scalar').replace('<path>', path)}")
 
 
-def _difference(a: torch.Tensor, b: torch.Tensor, floor: float = _FLOOR) -> str | None:
-    """``None`` when ``a`` is ``b`` within the tolerance, else the difference in words.
-    ``floor``: the smallest magnitude the tolerance is relative to."""
+def _difference(
+    a: torch.Tensor, b: torch.Tensor, floor: float = _FLOOR, slack: float = 1.0
+) -> str | None:
+    """``None`` when ``a`` is ``b`` within the tolerance (times ``slack``), else the difference
+    in words. ``floor``: the smallest magnitude the tolerance is relative to."""
     if a.shape != b.shape:
         return f"shape {tuple(a.shape)} where one device has {tuple(b.shape)}"
     if not (b.is_floating_point() or b.is_complex()):
@@ -306,7 +311,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor, floor: float = _FLOOR) -> str 
     x, y = a.detach().double().cpu(), b.detach().double().cpu()
     scale = max(x.abs().max().item(), y.abs().max().item(), floor)
     diff = (x - y).abs().nan_to_num(nan=float("inf")).max().item()
-    if diff <= RTOL.get(b.dtype, _RTOL_DEFAULT) * scale:
+    if diff <= RTOL.get(b.dtype, _RTOL_DEFAULT) * slack * scale:
         return None
     return f"differs by {diff / scale:.3g} of its magnitude ({scale:.3g})"
 
@@ -437,7 +442,7 @@ def _hook(w: Any, state: _State, session: _Session, path: str, a: Any, b: Any) -
         for (name, p, _), g, h in zip(pairs, got, want, strict=True):
             g = torch.zeros_like(p) if g is None else g
             h = torch.zeros_like(p) if h is None else h
-            size = _difference(g, h, floor)
+            size = _difference(g, h, floor, _GRAD_SLACK)
             if size is not None:
                 place = f"grad of {name}"
                 why = f"; it follows from {path}'s difference" if path in state.reported else ""
