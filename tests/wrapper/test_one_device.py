@@ -204,9 +204,16 @@ def test_the_environment_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
         dp.DataParallel(MinibatchStd(), ["cpu", "cpu"])
 
 
-def test_a_bad_value_is_refused() -> None:
+def test_a_bad_value_is_refused_and_a_built_wrapper_can_change_its_mode() -> None:
     with pytest.raises(ValueError, match="check: expected True, 'raise', False or None"):
         dp.DataParallel(MinibatchStd(), ["cpu", "cpu"], check="always")
+    w = dp.DataParallel(MinibatchStd(), ["cpu", "cpu"], check=False)
+    w(torch.randn(8, 4))  # off: nothing said
+    w.check_mode = "raise"
+    with pytest.raises(dp.OneDeviceDifference):
+        w(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="check: expected"):
+        w.check_mode = "always"
 
 
 def test_a_module_that_cannot_be_copied_is_said_once() -> None:
