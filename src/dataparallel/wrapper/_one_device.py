@@ -174,7 +174,12 @@ def checked_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     finally:
         _set_rng(after)
     session.calls += 1
-    _compare(w, state, session, out, ref)
+    try:
+        _compare(w, state, session, out, ref)
+    except OneDeviceDifference:
+        raise
+    except Exception as error:  # outputs the comparison cannot read: say so, never break a call
+        _give_up(w, state, f"comparing the outputs raised {type(error).__name__}: {error}")
     if not session.holders or session.calls >= _SESSION_CALLS:
         session.close()
     return out
@@ -193,7 +198,10 @@ def _give_up(w: Any, state: _State, why: str) -> None:
 
 def _signature(inputs: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> Any:
     """What tells one call's plan from another's: each leaf's shape, dtype and device, or type."""
-    leaves, _ = flatten((inputs, kwargs))
+    try:
+        leaves, _ = flatten((inputs, kwargs))
+    except ValueError:  # nested too deep for a walk: one signature for all such calls
+        return training, None
     return training, tuple(
         (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
         for x in leaves
@@ -416,37 +424,55 @@ def _hook(w: Any, state: _State, session: _Session, path: str, a: Any, b: Any) -
         ours, theirs = holder
         holder.clear()
         session.close()  # the calls after this backward are not the copy's to follow
-        if ours._version != version:  # written in place since: its graph is another
+        if ours._version != version or state.off is not None:  # (in place since: another graph)
             return
-        mine = [(n, p) for n, p in w._modules["module"].named_parameters() if p.requires_grad]
-        copied = dict(session.copy.named_parameters())
-        pairs = [(n, p, copied[n]) for n, p in mine if n in copied]
-        if not pairs:
-            return
-        with torch.enable_grad():
-            got = torch.autograd.grad(
-                ours, [p for _, p, _ in pairs], grad, retain_graph=True, allow_unused=True
-            )
-            want = torch.autograd.grad(
-                theirs,
-                [q for _, _, q in pairs],
-                grad.to(theirs.device),
-                retain_graph=True,
-                allow_unused=True,
-            )
-        # A gradient summed from large terms may cancel to near zero (a bias before BatchNorm):
-        # each is compared relative to the largest gradient of this output's contribution too.
-        floor = max(
-            [_FLOOR, *(h.detach().abs().max().item() for h in want if h is not None and h.numel())]
-        )
-        for (name, p, _), g, h in zip(pairs, got, want, strict=True):
-            g = torch.zeros_like(p) if g is None else g
-            h = torch.zeros_like(p) if h is None else h
-            size = _difference(g, h, floor, _GRAD_SLACK)
-            if size is not None:
-                place = f"grad of {name}"
-                why = f"; it follows from {path}'s difference" if path in state.reported else ""
-                text = f"{place} (through {path}): {size}{why or _why('grad')}"
-                _report(w, state, place, text)
+        try:
+            _compare_grads(w, state, session, path, ours, theirs, grad)
+        except OneDeviceDifference:
+            raise
+        except Exception as error:  # a graph autograd.grad cannot walk again: say so, once
+            _give_up(w, state, f"comparing the gradients raised {type(error).__name__}: {error}")
 
     a.register_hook(compare_grads)
+
+
+def _compare_grads(
+    w: Any,
+    state: _State,
+    session: _Session,
+    path: str,
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    grad: torch.Tensor,
+) -> None:
+    """Output ``path``'s contribution to each parameter's gradient, ours and the copy's."""
+    mine = [(n, p) for n, p in w._modules["module"].named_parameters() if p.requires_grad]
+    copied = dict(session.copy.named_parameters())
+    pairs = [(n, p, copied[n]) for n, p in mine if n in copied]
+    if not pairs:
+        return
+    with torch.enable_grad():
+        got = torch.autograd.grad(
+            ours, [p for _, p, _ in pairs], grad, retain_graph=True, allow_unused=True
+        )
+        want = torch.autograd.grad(
+            theirs,
+            [q for _, _, q in pairs],
+            torch.Tensor.to(grad, theirs.device),
+            retain_graph=True,
+            allow_unused=True,
+        )
+    # A gradient summed from large terms may cancel to near zero (a bias before BatchNorm):
+    # each is compared relative to the largest gradient of this output's contribution too.
+    floor = max(
+        [_FLOOR, *(h.detach().abs().max().item() for h in want if h is not None and h.numel())]
+    )
+    for (name, p, _), g, h in zip(pairs, got, want, strict=True):
+        g = torch.zeros_like(p) if g is None else g
+        h = torch.zeros_like(p) if h is None else h
+        size = _difference(g, h, floor, _GRAD_SLACK)
+        if size is not None:
+            place = f"grad of {name}"
+            why = f"; it follows from {path}'s difference" if path in state.reported else ""
+            text = f"{place} (through {path}): {size}{why or _why('grad')}"
+            _report(w, state, place, text)
