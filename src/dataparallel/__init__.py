@@ -25,7 +25,13 @@ from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Entry, Plan, Vote, plan
 from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter, scatter_kwargs
-from dataparallel.wrapper import CallStats, DataParallel, DeviceOutputs, data_parallel
+from dataparallel.wrapper import (
+    CallStats,
+    DataParallel,
+    DeviceOutputs,
+    OneDeviceDifference,
+    data_parallel,
+)
 
 __version__ = "0.1.0"
 
@@ -37,6 +43,7 @@ __all__ = [
     "DeviceSpec",
     "DistInfo",
     "Entry",
+    "OneDeviceDifference",
     "Plan",
     "ScalarWeights",
     "ShardedSampler",

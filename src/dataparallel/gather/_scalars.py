@@ -18,7 +18,14 @@ import torch
 
 from dataparallel.gather._counted import check_unmarked
 from dataparallel.gather._output_rules import warn_even_count
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, is_loss_path, sum_all
+from dataparallel.gather._outputs import (
+    all_equal,
+    arrays_equal,
+    fmt,
+    is_loss_path,
+    move,
+    sum_all,
+)
 
 __all__ = ["gather_scalars"]
 
@@ -31,7 +38,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 2: numbers, numpy numbers, 0-dim tensors and ndarrays; booleans apart."""
     target = ctx.target
     if all(_is_bool(v) for v in values):  # never averaged, summed or stacked
-        moved = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
+        moved = [move(v, target) if isinstance(v, torch.Tensor) else v for v in values]
         if all(bool(v) == bool(moved[0]) for v in moved):
             return moved[0]
         raise _booleans_differ(values, path)

@@ -10,7 +10,6 @@ a gather that knows each replica's chunk size.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -39,6 +38,7 @@ from dataparallel.replicate import (
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._explain import explain_call
+from dataparallel.wrapper._one_device import check_option, checked_call
 from dataparallel.wrapper._options import (
     check_dim,
     check_module,
@@ -60,8 +60,9 @@ from dataparallel.wrapper._placement import (
 )
 from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
+from dataparallel.wrapper._runtime import CallState
 from dataparallel.wrapper._saving import peft_load_state_dict, peft_state_dict
-from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel.wrapper._signature import PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
 from dataparallel.wrapper._warm import warm_call, warm_step
 from dataparallel.wrapper._waves import (
@@ -76,22 +77,8 @@ from dataparallel.wrapper._waves import (
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
 
-# What a wrapper keeps for its calls, not as its state: a copy (deepcopy, pickle) or a replica
-# (a wrapper nested in a replicated module) starts without them and makes its own, so no two
-# objects ever share a lock or a set of replicas.
-_RUNTIME = (
-    "_calls",
-    "_lock",
-    "_replica_sets",
-    "_sentinels",
-    "_plans",
-    "_here",
-    "_compiled_replicas",
-    "_sync_layers",
-)
 
-
-class DataParallel(ModuleNames, nn.DataParallel):
+class DataParallel(ModuleNames, CallState, nn.DataParallel):
     """Run ``module`` over several devices on one batch, split by the batch rules.
 
     A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
@@ -125,6 +112,12 @@ class DataParallel(ModuleNames, nn.DataParallel):
         compile: ``True``, or ``torch.compile``'s keyword arguments as a dict: each replica's
             forward is compiled once, the module's own included (the module is not changed).
             ``torch.compile(wrapper)`` compiles none of the model: use this.
+        check: ``True`` compares calls with the same call on one device, on a copy of the
+            module (outputs, then parameters and buffers, then gradients at backward) and
+            warns ``dp.OneDeviceDifference`` per difference; ``"raise"`` raises it; ``None``
+            reads ``DATAPARALLEL_CHECK`` (``1`` or ``raise``). Which calls: the first of each
+            plan and after each rebuild, plus every ``check_every``-th (the guide's "Checking
+            against one device").
 
     Attributes:
         module, device_ids, output_device, dim: torch's (the devices as ``torch.device``
@@ -152,10 +145,6 @@ class DataParallel(ModuleNames, nn.DataParallel):
     # a CPU list has no CUDA index to hold.
     device_ids: list[torch.device]  # type: ignore[assignment]
     output_device: torch.device  # type: ignore[assignment]
-
-    # What a replica of a module holding this wrapper does not copy (its
-    # ``_replicate_for_data_parallel`` drops it): replicate's search of the tree skips it too.
-    _not_replicated = frozenset(_RUNTIME)
 
     # The batch options, read and set as attributes (``w.max_size = 4``), kept in ``options``.
     batch_size = plan_option("batch_size")
@@ -187,6 +176,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        check: bool | str | None = None,
     ) -> None:
         """Check every argument now and wrap ``module`` (the class's Args; torch's are not run:
         they refuse CPU lists and repeated devices)."""
@@ -220,6 +210,9 @@ class DataParallel(ModuleNames, nn.DataParallel):
         self.output_rules = check_output_rules(output_rules)
         # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
         self.compile_options = check_compile_option(compile)
+        # check=: "warn", "raise" or None (``_one_device``); None reads DATAPARALLEL_CHECK
+        self.check_mode = check_option(check)
+        self.check_every = 0
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
@@ -237,33 +230,8 @@ class DataParallel(ModuleNames, nn.DataParallel):
             else done
         )
 
-    def _replicate_for_data_parallel(self) -> DataParallel:
-        """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
-        with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
-        replica's own device (``_placement.run_here``)."""
-        replica = nn.DataParallel._replicate_for_data_parallel(self)
-        for name in _RUNTIME:
-            replica.__dict__.pop(name, None)
-        return replica
-
     # The load of this thread's last call through this wrapper (``None`` before one).
     last_call = LastCall()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
-        # starts with no last call, lock, replicas, sentinels or kept plans (made again).
-        state = self.__dict__.copy()
-        for name in _RUNTIME:
-            state.pop(name, None)
-        state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
-        return state
-
-    def _call_lock(self) -> threading.RLock:
-        """The lock that runs this wrapper's calls one at a time (see ``forward``)."""
-        lock = self.__dict__.get("_lock")
-        if lock is None:  # made lazily: a copied or unpickled wrapper has none
-            lock = self.__dict__.setdefault("_lock", threading.RLock())
-        return lock
 
     # -- the pipeline -------------------------------------------------------------------------
 
@@ -310,7 +278,9 @@ class DataParallel(ModuleNames, nn.DataParallel):
         try:
             self._check_module_device()
             try:
-                return self._pipeline(inputs, kwargs)
+                if self.__dict__.get("check_mode") is None:
+                    return self._pipeline(inputs, kwargs)
+                return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
             except RuntimeError:
                 check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
@@ -462,13 +432,17 @@ class DataParallel(ModuleNames, nn.DataParallel):
         """The plan this wrapper would follow for a call ``w(*inputs, **kwargs)``; runs nothing.
         Its notes say how the call's outputs will be gathered where that is not the default
         (``num_items_in_batch``), and which BatchNorm layers of the module are synchronised
-        over the replicas. Only such a call (and the step methods) is split: a method of the
+        over the replicas, and, under ``check=``, that the call is compared with one device's.
+        Only such a call (and the step methods) is split: a method of the
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
         weighted = self.scalar_weights is not None  # (they replace the labels' rule)
         devices, dim = self.device_ids, self.dim
-        return explain_call(module, inputs, kwargs, devices, dim, self.options, weighted=weighted)
+        check = self.__dict__.get("check_mode")
+        return explain_call(
+            module, inputs, kwargs, devices, dim, self.options, weighted=weighted, check=check
+        )
 
     # -- checks -----------------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 The plan (``dataparallel.plan``) says how the arguments are split. The wrapper adds what
 depends on its module: how outputs computed from ``num_items_in_batch`` are gathered, how a loss
-over label tokens is weighed, and which
-BatchNorm layers are synchronised over the replicas.
+over label tokens is weighed, which BatchNorm layers are synchronised over the replicas, and
+whether ``check=`` compares the call with one device's.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def explain_call(
     options: Mapping[str, Any],
     *,
     weighted: bool = False,
+    check: str | None = None,
 ) -> Plan:
     """The plan of a call ``w(*inputs, **kwargs)`` of a wrapper of ``module`` on ``devices``,
     with the count's, the labels' and BatchNorm's notes; runs nothing. ``weighted``: the
-    wrapper has ``scalar_weights``, which replace the labels' rule."""
+    wrapper has ``scalar_weights``, which replace the labels' rule; ``check``: its check mode
+    (``_one_device``)."""
     plan = build_plan(inputs, kwargs, devices, dim, **options)
     chunks = sum(len(wave) for wave in plan.slices)
     slot = find_count(module, inputs, kwargs)
@@ -46,4 +48,13 @@ def explain_call(
     note = batchnorm_note(module, plan.waves)
     if note:
         plan.notes.append(note)
+    if chunks > 1 and check:
+        plan.notes.append(_CHECK_ON)
     return plan
+
+
+_CHECK_ON = (
+    "check=: the call is compared with the same call on one device (outputs, then parameters "
+    "and buffers, then gradients at backward), each difference a dp.OneDeviceDifference "
+    "(check_every: which calls)"
+)
