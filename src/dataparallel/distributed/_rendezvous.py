@@ -212,6 +212,12 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
     family, kind, proto, _, sockaddr = infos[0]
     listener = socket.socket(family, kind, proto)
     try:
+        # As torch's own store listens: a port whose last job's connections linger in
+        # TIME_WAIT is free to bind again at once (and those connections, which inherit the
+        # option, leave it free for a plain torch store too). A program that still listens
+        # there still holds it: SO_REUSEADDR never shares a listening port on Linux.
+        if os.name != "nt":  # (on Windows the option would share a port another holds)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(sockaddr)
         listener.listen()
     except OSError as exc:

@@ -1,0 +1,79 @@
+"""A job's life past its collectives, with real gloo processes (issue 63): its port free again
+at once, a nested session, an exit without ``destroy_distributed``, and ranks started with
+different ``WORLD_SIZE``. Each rank is a ``python -c`` process with torchrun's variables set
+only there; every wait is a few seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dataparallel.app.launch import free_port
+
+from ._helpers import child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _ranks(
+    script: str, sizes: list[int], port: int | None = None, *args: str, wait: float = 60
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script`` as ranks ``0..len(sizes)-1`` at once (rank ``r`` with ``WORLD_SIZE``
+    ``sizes[r]``) and wait for every one; each is gone when this returns."""
+    port = free_port() if port is None else port
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            env=child_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(size),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, size in enumerate(sizes)
+    ]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=wait)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
+# One short job: meet, gather, tear down; rank 0 ends first, so the connections it accepted
+# linger in TIME_WAIT on MASTER_PORT (the side that closes first keeps them).
+_SHORT_JOB = """
+import time, torch
+from dataparallel.distributed import destroy_distributed, gather_all, init_distributed
+try:
+    info = init_distributed(backend="gloo", timeout=5)
+    got = gather_all(torch.tensor([info.rank]))
+    destroy_distributed()
+    print("ok", got.tolist(), flush=True)
+    if info.rank:
+        time.sleep(1.0)
+except Exception as exc:
+    print(type(exc).__name__, "|", " ".join(str(exc).split()), flush=True)
+"""
+
+
+def test_the_same_master_port_serves_the_next_job_at_once() -> None:
+    """Issue 63, item 4: the loopback listener bound without ``SO_REUSEADDR``, so the next
+    job on the same port failed ("in use by another program") while nothing listened there,
+    only the last job's connections in TIME_WAIT; torch's own store rebinds over them."""
+    port = free_port()
+    for _ in range(2):
+        done = _ranks(_SHORT_JOB, [2, 2], port)
+        assert [d.stdout.strip() for d in done] == ["ok [0, 1]"] * 2, [d.stdout for d in done]
