@@ -74,9 +74,15 @@ class _Heartbeat:
             self.port,
             self.world_size,
             is_master=False,
-            timeout=_STORE_TIMEOUT,
+            timeout=datetime.timedelta(seconds=self.wait),
             wait_for_workers=False,
         )
+
+    @property
+    def wait(self) -> float:
+        """How long one exchange with the store may take: the job's limit, at most
+        :data:`_STORE_TIMEOUT`."""
+        return min(self.limit, _STORE_TIMEOUT.total_seconds())
 
     def _beat(self) -> None:
         try:
@@ -84,32 +90,56 @@ class _Heartbeat:
             store.set(
                 f"{self.prefix}/who/rank-{self.rank}", f"{os.getpid()}@{socket.gethostname()}"
             )
-            while True:
+            while not self._stop.is_set():
                 store.add(f"{self.prefix}/beat/rank-{self.rank}", 1)
                 if self._stop.wait(PERIOD_S):
                     return
         except Exception:  # the store is gone (its host ended): nothing left to beat into
             return
 
-    def stop(self) -> None:
+    def stop(self, seconds: float | None = None) -> None:
+        """Stop beating; wait for the thread at most ``seconds`` (by default one beat and one
+        exchange with the store): a beat blocked on a stopped store is left behind."""
         self._stop.set()
-        self._thread.join(PERIOD_S + 1.0)  # a beat blocked on a stopped store is left behind
+        if self._thread is not threading.current_thread():
+            self._thread.join(PERIOD_S + self.wait + 1.0 if seconds is None else seconds)
 
     def stopped_ranks(self) -> tuple[list[int], dict[int, str]] | None:
         """The ranks whose beats stood still while watched, and who each of them is; ``None``
-        when the store no longer answers."""
-        try:
-            store = self._client()
-            keys = [f"{self.prefix}/beat/rank-{r}" for r in range(self.world_size)]
-            before = [store.add(key, 0) for key in keys]
-            time.sleep(_WATCH_S)
-            after = [store.add(key, 0) for key in keys]
-            stopped = [r for r in range(self.world_size) if after[r] == before[r]]
-            names = {r: f"{self.prefix}/who/rank-{r}" for r in stopped}
-            who = {r: store.get(k).decode() for r, k in names.items() if store.check([k])}
-        except Exception:  # the store's host answers no more
+        when the store no longer answers.
+
+        Every wait is bounded: torch's client applies its timeout to each request but not to
+        the connect, which a stopped store host (``SIGSTOP``: the kernel still accepts the
+        connection, nobody answers) holds forever. So the store is read from a daemon thread,
+        given :attr:`wait` for its first answer and the watch plus :attr:`wait` for the rest,
+        and left behind past those, as a store that no longer answers.
+        """
+        first, done = threading.Event(), threading.Event()
+        found: list[tuple[list[int], dict[int, str]]] = []
+
+        def read() -> None:
+            try:
+                store = self._client()
+                keys = [f"{self.prefix}/beat/rank-{r}" for r in range(self.world_size)]
+                before = [store.add(key, 0) for key in keys]
+                first.set()
+                time.sleep(_WATCH_S)
+                after = [store.add(key, 0) for key in keys]
+                stopped = [r for r in range(self.world_size) if after[r] == before[r]]
+                names = {r: f"{self.prefix}/who/rank-{r}" for r in stopped}
+                who = {r: store.get(k).decode() for r, k in names.items() if store.check([k])}
+                found.append(([r for r in stopped if r != self.rank], who))
+            except Exception:  # the store's host answers no more
+                pass
+            finally:
+                first.set()
+                done.set()
+
+        reader = threading.Thread(target=read, name="dataparallel-liveness", daemon=True)
+        reader.start()
+        if not first.wait(self.wait + 1.0) or not done.wait(_WATCH_S + self.wait + 1.0):
             return None
-        return [r for r in stopped if r != self.rank], who
+        return found[0] if found else None
 
 
 _CURRENT: list[_Heartbeat] = []
