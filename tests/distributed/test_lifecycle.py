@@ -77,3 +77,26 @@ def test_the_same_master_port_serves_the_next_job_at_once() -> None:
     for _ in range(2):
         done = _ranks(_SHORT_JOB, [2, 2], port)
         assert [d.stdout.strip() for d in done] == ["ok [0, 1]"] * 2, [d.stdout for d in done]
+
+
+_NESTED = """
+import torch, torch.distributed as dist
+from dataparallel.distributed import ddp_session, gather_all
+with ddp_session(torch.nn.Linear(2, 1), backend="gloo", timeout=5) as (outer, info):
+    with ddp_session(torch.nn.Linear(2, 1), backend="gloo", timeout=5) as (inner, same):
+        inner(torch.ones(2, 2)).sum().backward()
+        assert same == info, (same, info)
+    up = dist.is_initialized()
+    got = gather_all(torch.tensor([info.rank]))
+    outer(torch.ones(2, 2)).sum().backward()
+print(up, got.tolist(), dist.is_initialized(), flush=True)
+"""
+
+
+def test_a_nested_session_shares_the_outer_group() -> None:
+    """Issue 63, item 3: the inner session destroyed the group on exit, and the outer one's
+    ``gather_all`` then returned this rank's part alone (``tensor([0])``), with no error."""
+    done = _ranks(_NESTED, [2, 2])
+    assert [d.stdout.strip() for d in done] == ["True [0, 1] False"] * 2, [
+        (d.stdout, d.stderr[-800:]) for d in done
+    ]
