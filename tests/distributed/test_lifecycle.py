@@ -100,3 +100,29 @@ def test_a_nested_session_shares_the_outer_group() -> None:
     assert [d.stdout.strip() for d in done] == ["True [0, 1] False"] * 2, [
         (d.stdout, d.stderr[-800:]) for d in done
     ]
+
+
+# Rank 1 leaves without destroy_distributed while rank 0 still runs. Its heartbeat beats as
+# often as it can here (no pause between beats), so its thread is inside the store's add, in
+# C++, whenever the interpreter ends.
+_NO_DESTROY = """
+import time, torch
+from dataparallel.distributed import _liveness, gather_all, init_distributed
+_liveness.PERIOD_S = 0.0
+info = init_distributed(backend="gloo", timeout=5)
+gather_all(torch.ones(1))
+time.sleep(0.5)
+if info.rank == 0:
+    time.sleep(2.0)
+print("leaving", flush=True)
+"""
+
+
+def test_a_rank_that_leaves_without_destroy_exits_cleanly() -> None:
+    """Issue 63, item 5: the heartbeat's daemon thread came back from the store's ``add``
+    while the interpreter finalised, and the forced unwind through C++ aborted the process
+    (exit 134, "terminate called without an active exception") in 3 to 6 runs of 6. The
+    thread is now stopped and joined before the interpreter finalises."""
+    done = _ranks(_NO_DESTROY, [2, 2])
+    assert [d.returncode for d in done] == [0, 0], [d.stderr[-600:] for d in done]
+    assert [d.stdout for d in done] == ["leaving\n"] * 2

@@ -17,6 +17,7 @@ count twice, a few beats apart:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -146,10 +147,23 @@ _CURRENT: list[_Heartbeat] = []
 
 
 def start(addr: str, port: int, rank: int, world_size: int, prefix: str, limit: float) -> None:
-    """Beat for this rank in the store at ``addr:port`` under ``prefix``, until :func:`stop`."""
+    """Beat for this rank in the store at ``addr:port`` under ``prefix``, until :func:`stop`
+    or the interpreter's exit, whichever comes first."""
     stop()
     if world_size > 1:
+        if not _AT_EXIT:
+            atexit.register(stop)
+            _AT_EXIT.append(True)
         _CURRENT.append(_Heartbeat(addr, port, rank, world_size, prefix, limit))
+
+
+# Whether stop() runs at the interpreter's exit. A script may end without
+# destroy_distributed: the heartbeat's daemon thread, left running, came back from the store's
+# add (C++) while the interpreter finalised, and the forced unwind of that thread through C++
+# aborted the process ("terminate called without an active exception", exit 134). atexit
+# runs before finalisation: the thread is stopped and joined there (one beat at most), so it
+# never outlives the interpreter, and, a daemon, it never keeps the process alive.
+_AT_EXIT: list[bool] = []
 
 
 def stop() -> None:
