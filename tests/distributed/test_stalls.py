@@ -163,3 +163,30 @@ def test_a_stalled_worker_of_the_command_line_is_named_in_one_line() -> None:
         f"dataparallel (rank 0): error: rank 0 of 2: a collective waited 8 s, the group's limit, "
         f"and gave up: rank 1 (pid {stopped} on host "
     ), err
+
+
+def test_a_slow_worker_of_three_is_said_once() -> None:
+    """Issue 63, item 6: rank 2 of three only late (its heartbeats move): ranks 0 and 1 both
+    said it ("every rank still answers"), and the late rank's heartbeat, beating into the
+    store after rank 0 had ended, added 14 lines of torch's C++ log. Now the first rank to
+    give up says it, once, and a heartbeat stops quietly when the store's host has ended."""
+    script = (
+        "import sys; from dataparallel.app.launch import launch; "
+        "sys.exit(launch(sys.argv[1:], 3, module='tests.distributed._slow_worker'))"
+    )
+    args = ["train", "--strategy", "ddp", "--data", "random", "--devices", "cpu", "--epochs", "1"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args, "--no-progress"],
+        cwd=REPO,
+        env=child_env(DATAPARALLEL_DIST_TIMEOUT="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 5, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert re.match(
+        r"dataparallel \(rank [01]\): error: rank [01] of 3: a collective waited 3 s, the "
+        r"group's limit, and gave up: every rank still answers",
+        done.stderr,
+    ), done.stderr
