@@ -126,3 +126,34 @@ def test_a_rank_that_leaves_without_destroy_exits_cleanly() -> None:
     done = _ranks(_NO_DESTROY, [2, 2])
     assert [d.returncode for d in done] == [0, 0], [d.stderr[-600:] for d in done]
     assert [d.stdout for d in done] == ["leaving\n"] * 2
+
+
+_JOIN = """
+from dataparallel.distributed import destroy_distributed, init_distributed
+try:
+    init_distributed(backend="gloo", timeout=3)
+    destroy_distributed()
+    print("joined", flush=True)
+except Exception as exc:
+    print(type(exc).__name__, "|", " ".join(str(exc).split()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("sizes", [[2, 3], [3, 2]], ids=["2 then 3", "3 then 2"])
+def test_ranks_started_with_different_world_sizes_each_say_so(sizes: list[int]) -> None:
+    """Issue 63, item 7: with WORLD_SIZE 2 on rank 0 and 3 on rank 1, one rank got our error
+    and the other torch's raw ``DistNetworkError: Failed to recv, got 0 bytes`` or
+    ``DistStoreError: wait timeout after 5000ms, keys: /dataparallel/attempt-0/...``.
+    Whichever rank sets the job's size first, each rank ends with one line of ours."""
+    done = _ranks(_JOIN, sizes)
+    lines = [d.stdout.strip() for d in done]
+    for line in lines:
+        assert line.startswith(("RuntimeError | ", "TimeoutError | ", "StoreClosed | ")), lines
+        assert "keys: /dataparallel" not in line, lines
+    # The rank that hosts the store, or the one that waited for it, names both sizes;
+    # a rank whose store closed under it says that rank 0 has ended and why it might have.
+    for line in lines:
+        assert "WORLD_SIZE" in line, lines
+    assert any(
+        f"WORLD_SIZE={sizes[0]}" in line and f"WORLD_SIZE={sizes[1]}" in line for line in lines
+    ) or any("rank 0, which hosts it, has ended" in line for line in lines), lines

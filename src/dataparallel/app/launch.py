@@ -295,6 +295,8 @@ def peer_gone(exc: BaseException) -> bool:
     kinds: tuple[type[BaseException], ...] = (RuntimeError,)
     if hasattr(dist, "DistError"):
         kinds = (RuntimeError, dist.DistError)
+    if getattr(exc, "peer_gone", False):  # (the rendezvous's StoreClosed)
+        return True
     return isinstance(exc, kinds) and any(text in str(exc) for text in _PEER_GONE)
 
 
