@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,51 @@ def test_contents_that_no_longer_match_their_checksum_are_refused(tmp_path: Path
         load_checkpoint(path)
     with pytest.raises(ValueError, match="SHA-256 checksum"):
         dp.load_unwrapped(path, torch.nn.Linear(3, 2))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``mount(size)``: a tmpfs of ``size`` bytes (root only), unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        where = tmp_path / "small"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs: Linux, as root")
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_full_disk_while_checkpointing_is_one_line(
+    tmp_path: Path, small_disk: Callable[[int], Path]
+) -> None:
+    """Issue 63, item 8: the disk filling during a checkpoint's write ended with rank 0's
+    41-line traceback ending ``OSError: [Errno 28] No space left on device``. The disk here
+    holds one checkpoint and a half: the first epoch's fits, the second's temp file does not.
+    """
+    one = _train(tmp_path, "--epochs", "1", "--checkpoint", str(tmp_path / "one.pt"))
+    assert one.returncode == 0, one.stderr
+    size = (tmp_path / "one.pt").stat().st_size
+    disk = small_disk(size * 3 // 2)
+    ckpt = disk / "ck.pt"
+    done = _train(tmp_path, "--epochs", "3", "--checkpoint", str(ckpt))
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"dataparallel: error: --checkpoint {str(ckpt)!r}: expected to write the checkpoint of "
+        f"epoch 2, got OSError (No space left on device); the previous checkpoint is kept"
+    ), done.stderr
+    assert [p.name for p in disk.iterdir()] == ["ck.pt"]  # no temp file left
+    assert load_checkpoint(ckpt)["epoch"] == 1  # intact, checksums and all

@@ -24,7 +24,7 @@ from torch import nn
 
 from dataparallel._common.digest import digest_damage, with_digest, zip_damage
 from dataparallel.app.demo.data import DemoData
-from dataparallel.app.demo.options import EpochStats, TrainOptions, UsageError
+from dataparallel.app.demo.options import EpochStats, TrainingError, TrainOptions, UsageError
 from dataparallel.app.demo.report import print_epoch
 
 __all__ = [
@@ -326,9 +326,22 @@ def end_epoch(
     """Close an epoch: write the checkpoint to ``path`` (when given) before the epoch's line, so
     the line means it is kept; print the line; on the run's ``first`` epoch, say where it wrote
     (once: the file is rewritten every epoch). ``state`` builds the checkpoint only if needed.
+
+    Raises:
+        TrainingError: the checkpoint could not be written (the disk is full, say); the
+            previous one is kept as it was, and no temp file is left.
     """
     if path:
-        save_checkpoint(path, state())
+        try:
+            save_checkpoint(path, state())
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            raise TrainingError(
+                f"--checkpoint {path!r}: expected to write the checkpoint of epoch "
+                f"{stats.epoch}, got {type(exc).__name__} ({reason}); the previous checkpoint "
+                f"is kept as it was and no temp file is left; make room (or point --checkpoint "
+                f"at another disk) and continue with --checkpoint {path} --resume"
+            ) from None
     print_epoch(stats, epochs, out)
     if path and first:
         print(checkpoint_message(path, stats.epoch), file=out, flush=True)
