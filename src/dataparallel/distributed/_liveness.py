@@ -62,8 +62,9 @@ class CollectiveTimeout(TimeoutError):
         """Whether this rank is the one to say it, so that a job's ranks that all gave up say
         it once: the lowest rank still answering where some stopped; where every rank still
         answers, the first to give up (counted in the job's store); where the store's host
-        has ended, none (that process, or its launcher, says why); where the store no longer
-        answers, every rank that gave up (nothing is left to agree through)."""
+        has ended, none (that process, or its launcher, says why); where torchrun's agent
+        hosts a store that no longer answers, every rank that gave up (nothing is left to
+        agree through; where rank 0 hosts it, rank 0 is the one stopped)."""
         if self.ended:
             return False
         if self.stopped is None:
@@ -280,7 +281,8 @@ def collective_timeout(exc: BaseException) -> CollectiveTimeout | None:
             f"either, so {hosts}, which hosts it, has stopped answering; expected every rank "
             f"to reach the same collective within the limit; see why it stopped, {_FIX}",
             beat.rank,
-            None,
+            # Rank 0 hosts it: rank 0 has stopped, and the lowest rank after it says so.
+            None if hosts != "rank 0" else [0],
         )
     stopped, who, told = found
     if stopped:
