@@ -258,9 +258,14 @@ def test_a_rank_of_a_job_of_another_size_is_told_so() -> None:
     lines = [runs[1].communicate(timeout=60)[0].strip()]
     if "a job of 2 processes" in lines[0]:
         assert lines[0].startswith("RuntimeError | environment variable MASTER_PORT: rank 1 of 3 ")
-    else:  # rank 0 came second, and stopped its store as it left
+        assert "or this job's ranks were started with different WORLD_SIZE" in lines[0]
+    else:  # rank 0 came second, and stopped its store as it left (issue 63, item 7)
         lines.append(runs[0].communicate(timeout=60)[0].strip())
-        assert lines[1].startswith("RuntimeError | environment variable MASTER_PORT: rank 0 of 2 ")
-        assert "found another job there (a job of 3 processes)" in lines[1], lines
+        assert lines[1].startswith(
+            "RuntimeError | environment variable WORLD_SIZE: rank 0 has WORLD_SIZE=2, and "
+            "another rank of this job reached its store"
+        ), lines
+        assert "with WORLD_SIZE=3: expected the same WORLD_SIZE on every rank" in lines[1]
+        assert lines[0].startswith("StoreClosed | init_distributed: rank 1 of 3: the job's "), lines
     runs[0].kill()
     runs[0].wait()

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import numbers
 import pickle
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -257,6 +258,21 @@ def gather_all(
             for r, out in enumerate(outputs)
         )
         raise ValueError(
-            f"gather_all: the ranks' outputs do not fit together: {exc}\nper rank:\n{pictures}\n"
-            f"make every rank return the same structure (same keys, types and nesting)"
+            f"gather_all: the ranks' outputs do not fit together: {_rank_words(str(exc))}\n"
+            f"per rank:\n{pictures}\nmake every rank return the same structure (same keys, "
+            f"types and nesting)"
         ) from exc
+
+
+# dp.gather's advice that gather_all has no use for: it has no gather=False.
+_NO_GATHER_FALSE = re.compile(
+    r",? or use gather=False( to handle the per-replica outputs yourself)?"
+)
+
+
+def _rank_words(text: str) -> str:
+    """``dp.gather``'s message about replicas, said of ranks: each replica's outputs here are a
+    rank's, and its way out, ``gather=False``, is an option ``gather_all`` does not have."""
+    text = _NO_GATHER_FALSE.sub("", text)
+    text = text.replace("Make forward return", "Return")
+    return re.sub(r"\breplica(s?)\b", r"rank\1", text)

@@ -279,7 +279,9 @@ def ddp_session(
     Calls :func:`init_distributed`, moves ``module`` to this rank's device, wraps it in DDP
     (``device_ids=[local_rank]`` on CUDA, ``None`` on the CPU) and yields ``(ddp_module, info)``.
     On exit the process group is destroyed (:func:`destroy_distributed`: after a barrier on a
-    normal exit, at once after an error), so a failed rank never leaves a group behind. Run as
+    normal exit, at once after an error), so a failed rank never leaves a group behind. A
+    session inside another shares the outer one's group and leaves it up on exit: the outer
+    session destroys it. Run as
     a single process (no torchrun variables), it makes a private one-process group, so the same
     script also runs with plain ``python``.
 
@@ -325,6 +327,52 @@ def ddp_session(
         >>> info.world_size, info.backend  # plain python: a private one-process group
         (1, 'gloo')
     """
+    if _OPEN_SESSIONS[0] and dist.is_available() and dist.is_initialized():
+        # Inside another session: share its group, and leave its teardown to it.
+        with _nested_session(module, ddp_kwargs) as shared:
+            yield shared
+        return
+    _OPEN_SESSIONS[0] += 1
+    try:
+        with _own_session(module, backend, timeout, ddp_kwargs) as own:
+            yield own
+    finally:
+        _OPEN_SESSIONS[0] -= 1
+
+
+#: How many ``ddp_session`` blocks that own their group are open in this process (0 or 1).
+_OPEN_SESSIONS = [0]
+
+
+@contextmanager
+def _nested_session(
+    module: torch.nn.Module, ddp_kwargs: dict[str, Any]
+) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
+    """A session inside another: DDP over the outer session's group, which stays up after it
+    (destroying it, as a session of its own does, left the outer one gathering alone)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    info = init_distributed()  # the outer session's group, as it is
+    module.to(info.device)
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    try:
+        yield DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs), info
+    except BaseException as exc:
+        timed_out = _liveness.collective_timeout(exc)
+        if timed_out is not None:
+            raise timed_out from None
+        raise
+
+
+@contextmanager
+def _own_session(
+    module: torch.nn.Module,
+    backend: str | None,
+    timeout: float | datetime.timedelta | None,
+    ddp_kwargs: dict[str, Any],
+) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
+    """A session that owns its group: made (or taken from ``init_distributed``) here, and
+    destroyed on the way out, whatever happened."""
     from torch.nn.parallel import DistributedDataParallel
 
     try:
