@@ -35,10 +35,12 @@ __all__ = [
     "ATOMS",
     "MAX_DEPTH",
     "MAX_VISITS",
+    "RECORDS",
     "Mapping",
     "Pass",
     "contents",
     "global_names",
+    "plain_record",
     "rebind",
 ]
 
@@ -140,12 +142,21 @@ class Pass:
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
                 return value
-            items = [rebind(v, deeper) for v in value]
+            if len(value) > RECORDS:  # a table of data: its plain records are not visited
+                items = [v if plain_record(v, type(v)) else rebind(v, deeper) for v in value]
+            else:
+                items = [rebind(v, deeper) for v in value]
             if all(map(operator.is_, items, value)):
                 return value
             return kind(items)
         if kind is dict:
-            new = {k: rebind(v, deeper) for k, v in value.items()}
+            if len(value) > RECORDS:
+                new = {
+                    k: v if plain_record(v, type(v)) else rebind(v, deeper)
+                    for k, v in value.items()
+                }
+            else:
+                new = {k: rebind(v, deeper) for k, v in value.items()}
             return value if all(new[k] is v for k, v in value.items()) else new
         if isinstance(value, functools.partial):
             return self._partial(value, deeper)
@@ -346,6 +357,24 @@ def from_library(value: Any, kind: type) -> bool:
     if isinstance(value, _HOLDERS):
         return False
     return _library_module(getattr(kind, "__module__", None))
+
+
+RECORD = 16  # a plain record: a dict, list or tuple of at most this many atoms
+RECORDS = 64  # a list or dict longer than this is a table: its plain records are data
+
+
+def plain_record(value: Any, kind: type) -> bool:
+    """Whether ``value`` is a small dict, list or tuple of atoms only (keys too): a record of
+    data (``{"step": 3, "loss": 0.5}``), which leads to no module. Inside another holder such
+    records are neither searched one by one nor watched when the holder is a table (over
+    :data:`RECORDS` items): a list of 30,000 of them is one holder, compared as one."""
+    if kind is dict:
+        return len(value) <= RECORD and ATOMS.issuperset(
+            [*map(type, value), *map(type, value.values())]
+        )
+    if kind is list or kind is tuple:
+        return len(value) <= RECORD and ATOMS.issuperset(map(type, value))
+    return False
 
 
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
