@@ -13,6 +13,7 @@ to it (an append, an item set) can be seen. Used by :mod:`._rebind`.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import dis
@@ -149,6 +150,8 @@ class Pass:
             if all(map(operator.is_, items, value)):
                 return value
             return kind(items)
+        if isinstance(value, dict) and not ATOMS.issuperset(map(type, value)):
+            return self._keyed(value, kind, deeper)  # keys that may be modules of the tree
         if kind is dict:
             if len(value) > RECORDS:
                 new = {
@@ -158,6 +161,20 @@ class Pass:
             else:
                 new = {k: rebind(v, deeper) for k, v in value.items()}
             return value if all(new[k] is v for k, v in value.items()) else new
+        if kind is set or kind is frozenset or kind is collections.deque:
+            items = [rebind(v, deeper) for v in value]
+            if all(map(operator.is_, items, value)):
+                return value
+            if kind is collections.deque:
+                return collections.deque(items, value.maxlen)
+            return kind(items)
+        if kind is weakref.ReferenceType:  # ``weakref.ref(parent)``: to the replica's module
+            target = value()
+            mapped = self.mapping.get(id(target)) if isinstance(target, nn.Module) else None
+            if mapped is None or value.__callback__ is not None:
+                return value  # (one with a callback: ``reaches`` follows it, serial)
+            # (a search's mapping binds a probe, which only has to differ from ``value``)
+            return weakref.ref(mapped) if isinstance(mapped, nn.Module) else mapped
         if isinstance(value, functools.partial):
             return self._partial(value, deeper)
         if kind is types.FunctionType:
@@ -202,6 +219,21 @@ class Pass:
         for key, held in state.items():
             fresh.setdefault(key, held)
         fresh.update(changed)
+        return new
+
+    def _keyed(self, value: dict[Any, Any], kind: type, deeper: int) -> Any:
+        """A dict some of whose keys are not atoms (``{module: name}``, as a hook that names
+        the module it runs on keeps): keys and values rebound."""
+        rebind = self.rebind
+        entries = [(rebind(k, deeper), rebind(v, deeper)) for k, v in value.items()]
+        pairs = zip(entries, value.items(), strict=True)
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in pairs):
+            return value
+        if kind is dict:
+            return dict(entries)
+        new = copy.copy(value)
+        new.clear()
+        new.update(entries)
         return new
 
     def _partial(self, value: functools.partial[Any], deeper: int) -> Any:
@@ -321,6 +353,10 @@ _HOLDERS = (
     functools.partial,
     types.SimpleNamespace,
     collections.deque,
+    collections.UserList,
+    collections.UserDict,
+    collections.ChainMap,
+    argparse.Namespace,
 )
 
 
@@ -347,13 +383,24 @@ def _library_module(name: str | None) -> bool:
     return os.path.realpath(file).startswith(_LIBRARY_ROOTS)
 
 
+@functools.lru_cache(maxsize=4096)
+def _library_file(path: str) -> bool:
+    """Whether the source file ``path`` lies in an installed package or the standard
+    library."""
+    if not path or path.startswith("<"):  # (code made by exec or the interpreter)
+        return False
+    return os.path.realpath(path).startswith(_LIBRARY_ROOTS)
+
+
 def from_library(value: Any, kind: type) -> bool:
     """Whether ``value`` (a function, or an object of class ``kind``) is an installed
     package's or the standard library's: its code, or its class, is defined there. General
     holders (lists, dicts, tuples, sets, partials, namespaces, deques, and their subclasses)
     are never: what they hold is whoever filled them's."""
     if kind is types.FunctionType:
-        return _library_module(getattr(value, "__module__", None))
+        # by where its code lies: ``functools.wraps`` copies a library function's
+        # ``__module__`` onto a wrapper of the user's own
+        return _library_file(value.__code__.co_filename)
     if isinstance(value, _HOLDERS):
         return False
     return _library_module(getattr(kind, "__module__", None))
@@ -406,7 +453,7 @@ def contents(value: Any) -> list[Any]:
     swapped (``f.__code__ = g.__code__``) is then a change, as a written attribute is."""
     if isinstance(value, dict):
         return [*value.keys(), *value.values()]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
         return list(value)
     if isinstance(value, functools.partial):
         return [value.func, *value.args, *value.keywords.values(), *value.__dict__.values()]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -359,6 +360,8 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool | None:
         elif isinstance(obj, types.MethodType):
             stack.append(obj.__self__)
             stack.append(obj.__func__)
+        elif isinstance(obj, weakref.ReferenceType):  # (a ``WeakValueDictionary``'s too)
+            stack.append(obj())
         else:
             stack.extend(gc.get_referents(obj))
     return False
