@@ -129,9 +129,10 @@ class ForwardWrites:
             f"{', '.join(names)} (in place under torch.no_grad(), or by a .data assignment), "
             f"which the replicas share on this device list: each replica wrote it, in a race, "
             f"where one device writes it once per call. Write it outside the wrapped call "
-            f"(before model(x), as an optimizer step does), or, if forward must write it, set "
-            f"requires_grad=False on it (each replica then writes its own copy) or give each "
-            f"replica a device of its own"
+            f"(before model(x), as an optimizer step does; for nn.Embedding(max_norm=...), "
+            f"renormalise the rows with torch.embedding_renorm_ before the call and drop "
+            f"max_norm), or, if forward must write it, set requires_grad=False on it (each "
+            f"replica then writes its own copy) or give each replica a device of its own"
         )
 
 
