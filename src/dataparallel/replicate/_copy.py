@@ -19,10 +19,6 @@ import copy
 import dis
 import functools
 import operator
-import os
-import site
-import sys
-import sysconfig
 import types
 import weakref
 from typing import Any
@@ -31,6 +27,7 @@ import torch
 from torch import nn
 
 from dataparallel.replicate._check import filled
+from dataparallel.replicate._library import library_file, library_module
 
 __all__ = [
     "ATOMS",
@@ -360,38 +357,6 @@ _HOLDERS = (
 )
 
 
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
-
-
-_LIBRARY_ROOTS = _library_roots()
-
-
-@functools.lru_cache(maxsize=4096)
-def _library_module(name: str | None) -> bool:
-    """Whether the module ``name`` is an installed package's or the standard library's (by
-    where its file lies), not the user's script or project."""
-    if not name or name == "__main__":
-        return False
-    module = sys.modules.get(name)
-    file = getattr(module, "__file__", None)
-    if file is None:
-        return module is not None and name in sys.builtin_module_names
-    return os.path.realpath(file).startswith(_LIBRARY_ROOTS)
-
-
-@functools.lru_cache(maxsize=4096)
-def _library_file(path: str) -> bool:
-    """Whether the source file ``path`` lies in an installed package or the standard
-    library."""
-    if not path or path.startswith("<"):  # (code made by exec or the interpreter)
-        return False
-    return os.path.realpath(path).startswith(_LIBRARY_ROOTS)
-
-
 def from_library(value: Any, kind: type) -> bool:
     """Whether ``value`` (a function, or an object of class ``kind``) is an installed
     package's or the standard library's: its code, or its class, is defined there. General
@@ -400,10 +365,10 @@ def from_library(value: Any, kind: type) -> bool:
     if kind is types.FunctionType:
         # by where its code lies: ``functools.wraps`` copies a library function's
         # ``__module__`` onto a wrapper of the user's own
-        return _library_file(value.__code__.co_filename)
+        return library_file(value.__code__.co_filename)
     if isinstance(value, _HOLDERS):
         return False
-    return _library_module(getattr(kind, "__module__", None))
+    return library_module(getattr(kind, "__module__", None))
 
 
 RECORD = 16  # a plain record: a dict, list or tuple of at most this many atoms
