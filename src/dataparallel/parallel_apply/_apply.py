@@ -51,7 +51,7 @@ from dataparallel.parallel_apply._task import (
     _span,
     _Task,
 )
-from dataparallel.replicate import serial_mark
+from dataparallel.replicate import check_writes, serial_mark
 
 __all__ = ["apply_replicas", "as_arguments", "in_order", "parallel_apply", "wait_for"]
 
@@ -247,6 +247,7 @@ def apply_replicas(
     if timings is not None:
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
     _reraise(tasks, why)
+    check_writes(modules)  # a trainable parameter the replicas share, written in forward
     return [t.result for t in tasks]
 
 

@@ -55,6 +55,7 @@ from dataparallel.replicate._compiled import (
 )
 from dataparallel.replicate._rebind import SERIAL, serial_mark
 from dataparallel.replicate._replicas import Replicas
+from dataparallel.replicate._written import check_writes
 
 __all__ = [
     "SERIAL",
@@ -62,6 +63,7 @@ __all__ = [
     "ReplicaSets",
     "check_compile_option",
     "check_not_compiled",
+    "check_writes",
     "clear_replica_cache",
     "fresh_replicate",
     "replicate",
@@ -91,7 +93,6 @@ def _replicas_of(
     ``keep`` says so of the tree, or of the modules just refilled) when it has none for this
     structure."""
     entry = table.get(devices)
-    old = None
     if entry is not None:
         fills = entry.fills
         replicas = entry.current_replicas(module)
@@ -99,14 +100,12 @@ def _replicas_of(
             if entry.fills != fills and not keep(entry.modules(module), entry.refilled):
                 del table[devices]
             return replicas
-        old = table.pop(devices)
+        del table[devices]
     try:
         modules, _ = fingerprint(module)
     except Scripted:
         return replicate_scripted(module, devices)
     entry = Replicas(module, devices)
-    if old is not None:  # (a momentum update by ``.data =`` moves a parameter's data)
-        entry.writes.inherit(old.writes, old.params, entry.params)
     replicas = entry.current_replicas(module)
     if replicas is None:  # pragma: no cover - the structure changed while it was being built
         raise RuntimeError("module: its structure changed while its replicas were being built")
