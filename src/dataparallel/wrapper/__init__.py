@@ -15,9 +15,9 @@ is its interface (``dataparallel`` re-exports the public names).
 
 from __future__ import annotations
 
+from dataparallel.wrapper._check_option import OneDeviceDifference
 from dataparallel.wrapper._data_parallel import DataParallel
 from dataparallel.wrapper._functional import data_parallel
-from dataparallel.wrapper._one_device import OneDeviceDifference
 from dataparallel.wrapper._results import CallStats, DeviceOutputs
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs", "OneDeviceDifference", "data_parallel"]

@@ -37,8 +37,9 @@ from dataparallel.replicate import (
 )
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
+from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
-from dataparallel.wrapper._one_device import check_option, checked_call
+from dataparallel.wrapper._one_device import checked_call
 from dataparallel.wrapper._options import (
     check_dim,
     check_module,

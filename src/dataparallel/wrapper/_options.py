@@ -19,7 +19,7 @@ from torch import nn
 from dataparallel.devices import check_runnable, resolve_devices, target_device
 from dataparallel.gather import check_output_rules, check_scalars
 from dataparallel.plan import build_plan
-from dataparallel.wrapper._one_device import check_every_option, check_option
+from dataparallel.wrapper._check_option import check_every_option, check_option
 from dataparallel.wrapper._peft_class import class_for
 
 __all__ = ["CHECKED", "PLAN_OPTIONS", "check_module", "check_plan_options"]
