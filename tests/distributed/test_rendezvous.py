@@ -113,6 +113,21 @@ def _silent_listener() -> Iterator[int]:
         yield server.getsockname()[1]
 
 
+@contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A port nobody listens on, and that nobody can take while the test runs.
+
+    A port from ``free_port()`` is free only for a moment, and a client that retries a
+    connection to a port in the ephemeral range can draw that port as its own source and
+    connect to itself (TCP self-connect): it then waits for an answer that never comes. A
+    socket bound but not listening refuses connections, and keeps the port out of both
+    ``bind`` and the kernel's choice of source ports for as long as it is open.
+    """
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        yield reserved.getsockname()[1]
+
+
 def _start(rank: int, port: int, timeout: float = 2.0) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", _ONE_RANK, str(timeout)],
@@ -125,11 +140,11 @@ def _start(rank: int, port: int, timeout: float = 2.0) -> subprocess.Popen[str]:
 
 def test_nothing_waits_past_the_timeout() -> None:
     """Each case alone would wait 30 minutes (or for ever) under torch's defaults."""
-    with _silent_listener() as held:
+    with _silent_listener() as held, _reserved_port() as nobody:
         start = time.monotonic()
         runs = {
             "rank 0 alone": _start(0, free_port()),
-            "rank 1, nobody there": _start(1, free_port()),
+            "rank 1, nobody there": _start(1, nobody),
             "rank 1, port held": _start(1, held),
             "rank 0, port held": _start(0, held),
         }
