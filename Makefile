@@ -50,16 +50,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Every run says what it ran on: CI runs several (.ci/run). The suite runs in two parts: the
-# tests not marked `slow` on TEST_WORKERS processes at once (pytest-xdist; a file's tests stay
-# together, in order, on one worker), then the `slow` ones (multi-process, end-to-end, timed
-# limits) one at a time, alone on the machine as before. Exit status 5 is pytest's "no test
-# selected" (an ARGS that names no slow test).
-TEST_WORKERS ?= 2
+# Every run says what it ran on: CI runs several (.ci/run). The suite runs on TEST_WORKERS
+# processes at once (pytest-xdist): each file not marked `slow` is a unit of work, its tests
+# together and in order on one worker; the `slow` tests (real processes, end-to-end commands,
+# limits in seconds) run in three chains, each one test at a time on a worker of its own
+# (tests/conftest.py, SLOW_CHAINS), started first since they are the longest.
+TEST_WORKERS ?= 5
 test: lint
 	$(BIN)/python -c "$$VERSIONS"
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
-	$(BIN)/python -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The API reference, the guide and the benchmarks page as HTML in docs/_build/html (open
 # index.html): Sphinx installed into the venv on first use (the `docs` extra), warnings as

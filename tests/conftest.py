@@ -92,8 +92,80 @@ def no_leaks() -> Iterator[None]:
         pytest.fail("; ".join(problems))
 
 
+# `make test`'s schedule (pytest-xdist): each test file is one unit of work, its tests together
+# and in order on one worker, except the files of the `slow` tests (real processes, end-to-end
+# commands, limits in seconds), which form a few chains: each chain is one unit, its files one
+# after the other on a worker of their own, beside the other chains and the other files. The
+# chains are cut where the tests share nothing but the machine: those that wait on limits of a
+# few seconds (timeouts, signals, stalls) are one chain, so no two of them ever run at once; the
+# other multi-process tests are another; the README's commands, the bare install and the
+# benchmarks a third. The chains start first: they are the longest units.
+SLOW_CHAINS = {
+    "slow: limits in seconds": (
+        "tests/distributed/test_stalls.py",
+        "tests/distributed/test_rendezvous.py",
+        "tests/distributed/test_lifecycle.py",
+        "tests/app/test_cli_signals.py",
+    ),
+    "slow: processes": (
+        "tests/distributed/test_multiprocess.py",
+        "tests/distributed/test_launch.py",
+        "tests/distributed/test_uneven_steps.py",
+        "tests/distributed/test_syncbn_ddp.py",
+        "tests/distributed/test_gather_counts.py",
+        "tests/app/test_checkpoint_damage.py",
+    ),
+    "slow: commands": (
+        "tests/test_readme.py",
+        "tests/test_bare_install.py",
+        "tests/test_readme_figures.py",
+        "tests/test_benchmarks.py",
+    ),
+}
+_CHAIN_OF = {path: chain for chain, paths in SLOW_CHAINS.items() for path in paths}
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work of the test ``nodeid``: its chain, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return _CHAIN_OF.get(path, path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scheduling by scope, with :func:`work_unit` as the scope, and the units handed
+    out in the order of the collection, which :func:`pytest_collection_modifyitems` sets."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Units(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return _Units(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip CUDA-marked tests on machines without CUDA, saying why."""
+    """Order the tests by unit of work, the chains first, then the files with the most tests
+    (the order xdist hands them out in); refuse a slow test outside every chain; skip
+    CUDA-marked tests on machines without CUDA, saying why."""
+    outside = sorted(
+        {i.nodeid.split("::", 1)[0] for i in items if i.get_closest_marker("slow")} - set(_CHAIN_OF)
+    )
+    if outside:
+        raise pytest.UsageError(
+            f"tests/conftest.py SLOW_CHAINS: {outside} hold tests marked slow but are in no "
+            f"chain; expected every file with a slow test in one chain; add each to the chain "
+            f"whose tests it is like (limits in seconds, processes or commands)"
+        )
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(work_unit(item.nodeid), []).append(item)
+    chains = list(SLOW_CHAINS)
+    order = sorted(
+        units, key=lambda u: (chains.index(u), 0) if u in chains else (len(chains), -len(units[u]))
+    )
+    items[:] = [item for unit in order for item in units[unit]]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; run on the GPU machine")
