@@ -18,8 +18,7 @@ out: the evaluation path (torchvision's ``nms``, not a dependency here). Before 
 the wrapper read ``[img, annot]`` as a tie between the list's length and its tensors' batch,
 and warned on every plan; a list of tensors of different ranks now votes for its batch only.
 Sizes: 32 x 32 images, a ResNet of one block per stage 8 to 16 wide, 8-wide heads, 3 classes,
-207 anchors; Adam's learning rate raised to 1e-3 so that three steps move the weights; in
-float64, as Adam turns gradients that rounding alone makes non-zero into full steps.
+207 anchors; Adam's learning rate raised to 1e-3 so that three steps move the weights.
 """
 
 from __future__ import annotations
@@ -335,7 +334,7 @@ class ResNet(nn.Module):
 
 def build() -> nn.Module:
     torch.manual_seed(0)
-    return ResNet(NUM_CLASSES, [1, 1, 1, 1]).double()
+    return ResNet(NUM_CLASSES, [1, 1, 1, 1])
 
 
 def optimizers(model: Any) -> list[torch.optim.Optimizer]:
@@ -346,18 +345,16 @@ def batches() -> list[Any]:
     gen = torch.Generator().manual_seed(207)
     out = []
     for _ in range(3):
-        img = torch.randn(5, 3, 32, 32, generator=gen, dtype=torch.float64)
-        annot = torch.ones(5, 3, 5, dtype=torch.float64) * -1  # collater's padding
+        img = torch.randn(5, 3, 32, 32, generator=gen)
+        annot = torch.ones(5, 3, 5) * -1  # collater's padding
         for i in range(4):  # the fifth image has no boxes
             n = int(torch.randint(1, 4, (1,), generator=gen))
             # near a P3 anchor's centre and size, so that some anchors are positives
             ctr = (
-                4
-                + 8 * torch.randint(1, 3, (n, 2), generator=gen)
-                + torch.rand(n, 2, generator=gen, dtype=torch.float64)
+                4 + 8 * torch.randint(1, 3, (n, 2), generator=gen) + torch.rand(n, 2, generator=gen)
             )
-            wh = 26 + torch.rand(n, 2, generator=gen, dtype=torch.float64) * 10
-            label = torch.randint(0, NUM_CLASSES, (n, 1), generator=gen).to(torch.float64)
+            wh = 26 + torch.rand(n, 2, generator=gen) * 10
+            label = torch.randint(0, NUM_CLASSES, (n, 1), generator=gen).float()
             annot[i, :n] = torch.cat([ctr - wh / 2, ctr + wh / 2, label], 1)
         out.append((img, annot))
     return out
