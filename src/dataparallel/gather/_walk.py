@@ -276,6 +276,10 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
     for value, size in zip(values, sizes, strict=True):
         types = item_types(value)
         found.append(types)
+        if len(types) > 1 and len({kind_of(x) for x in value}) > 1:
+            # items of different kinds are no records of one kind (pix2pixHD's ``[losses,
+            # None]``): structure, as the batch rules read such an input
+            return None
         if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
         if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):
