@@ -15,8 +15,10 @@ the logged ``loss_stage*`` values and the maximum and minimum of the last heatma
 parameters while the trunk's first layers are frozen (``requires_grad = False`` after the
 wrapper is built, as the script does), then all weights released and a new optimizer built, and
 ``validate``'s loss under ``eval()``. Sizes: 8 x 8 images, a 4 x 4 output, 4 PAF and 3
-heatmap channels, 4-wide stages of two convolutions (the script's have seven), 3 x 3 kernels
-where the stages have 7 x 7; ``lr`` 1.0 as the script's default.
+heatmap channels, a trunk of two convolutions, stage 1 of two 4-wide convolutions per branch
+and stages 2 to 6 of one (the script's have five and seven), 3 x 3 kernels where the stages
+have 7 x 7 (each convolution's backward is a parallel region, costly on a busy CPU); ``lr`` 1.0
+as the script's default.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 from torch.nn import init
 
 PAFS, HEATS, WIDTH = 4, 3, 4
-FROZEN = 4  # the trunk's first parameters frozen (the script's ``model0[i] for i in range(20)``)
+FROZEN = 2  # the trunk's first parameters frozen (the script's ``model0[i] for i in range(20)``)
 
 
 def make_stages(cfg_dict: list[dict[str, list[int]]]) -> nn.Sequential:
@@ -63,9 +65,7 @@ class RtPose(nn.Module):
         self.model0 = make_vgg19_block(
             [
                 {"conv1_1": [3, w, 3, 1, 1]},
-                {"conv1_2": [w, w, 3, 1, 1]},
                 {"pool1_stage1": [2, 2, 0]},
-                {"conv4_3_CPM": [w, w, 3, 1, 1]},
                 {"conv4_4_CPM": [w, w, 3, 1, 1]},
             ]
         )
@@ -77,12 +77,7 @@ class RtPose(nn.Module):
         )
         for i in range(2, 7):
             for branch, out in ((1, PAFS), (2, HEATS)):
-                stage = make_stages(
-                    [
-                        {f"Mconv1_stage{i}_L{branch}": [cat, w, 3, 1, 1]},
-                        {f"Mconv7_stage{i}_L{branch}": [w, out, 1, 1, 0]},
-                    ]
-                )
+                stage = make_stages([{f"Mconv7_stage{i}_L{branch}": [cat, out, 3, 1, 1]}])
                 setattr(self, f"model{i}_{branch}", stage)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
