@@ -91,3 +91,21 @@ def test_a_dtype_change_still_builds_the_replicas_again() -> None:
     again = dp.replicate(model, ["cpu", "cpu:1"])
     assert again[1] is not first[1]
     assert again[1].w.dtype == torch.float64 and again[1].u.dtype == torch.float64
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_rebuild_between_the_two_calls_keeps_the_copies(devices: list[str]) -> None:
+    """A buffer registered between the two forwards rebuilds the replica set: the new set
+    takes over the old one's copies, so the first call's backward still reads the second
+    call's write."""
+    ref = SpectralLinear()
+    model = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(model, devices)
+    gen = torch.Generator().manual_seed(2)
+    real, fake = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    for run, module in ((ref, ref), (wrapper, model)):
+        first = torch.relu(1.0 - run(real)).mean()
+        module.register_buffer("seen", torch.zeros(()))
+        (first + torch.relu(1.0 + run(fake)).mean()).backward()
+    assert ref.w.grad is not None and model.w.grad is not None
+    assert_close_rel(model.w.grad, ref.w.grad, msg="grad of w")
