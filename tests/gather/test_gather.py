@@ -702,3 +702,24 @@ def test_concat_batched_equals_gather_or_declines() -> None:
     assert concat_batched([torch.tensor(1.0), torch.tensor(2.0)], cpu, 0, [1, 1]) is None
     assert concat_batched([{"y": parts[0]}, {"y": parts[1]}], cpu, 0, [2, 3]) is None
     assert concat_batched([torch.randn(2, 3), torch.randn(3, 4)], cpu, 0, [2, 3]) is None
+
+
+@pytest.mark.parametrize("infer", [False, True])
+def test_a_list_of_items_of_different_kinds_is_structure_on_chunks_of_its_length(
+    infer: bool,
+) -> None:
+    """pix2pixHD's return, ``[losses, None if not infer else fake_image]``, on chunks of 2:
+    a list of 2 whose items are a list and ``None`` (or a tensor) is no two samples' records but
+    structure, as the batch rules read such an input; before, it came back as ``[losses, None,
+    losses, None]``."""
+    ys = [torch.randn(2, 3), torch.randn(2, 3)]
+    outs = [[[y.mean(), (y * y).mean()], y if infer else None] for y in ys]
+    got = gather(outs, "cpu", chunk_sizes=[2, 2])
+    whole = torch.cat(ys)
+    assert len(got) == 2 and len(got[0]) == 2
+    torch.testing.assert_close(got[0][0], whole.mean())
+    torch.testing.assert_close(got[0][1], (whole * whole).mean())
+    if infer:
+        torch.testing.assert_close(got[1], whole)
+    else:
+        assert got[1] is None

@@ -164,3 +164,47 @@ def test_a_time_major_output_whose_length_is_the_chunk_size_is_said() -> None:
     checked = dp.DataParallel(head, CPU2, check=True)
     with pytest.warns(dp.OneDeviceDifference, match=rf"output: shape \(10, 5, 6\).*{fix}"):
         checked(x)
+
+
+class FlatTokenLogits(nn.Module):
+    """Per-token logits flattened with the batch, ``(batch * 4, 6)``, as the OpenAI transformer
+    LM's ``LMHead`` returns them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4 * 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(-1, 6)
+
+
+@pytest.mark.parametrize("batch", [6, 5])
+def test_a_flattened_batch_is_named_with_its_rule(batch: int) -> None:
+    """Sizes 4 times the chunk sizes on every replica, even split or not: the concatenation
+    (one device's) is warned about as any unbatched size is, and the warning names the
+    flattened reading and the rule that says so; the rule silences it."""
+    torch.manual_seed(0)
+    head, x = FlatTokenLogits(), torch.randn(batch, 3)
+    fix = r"4 times its chunk size.*output_rules=\{'output': 0\} says so"
+    with pytest.warns(UserWarning, match=rf"output: the replicas returned different.*{fix}"):
+        got = dp.DataParallel(head, CPU2)(x)
+    torch.testing.assert_close(got, head(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = dp.DataParallel(head, CPU2, output_rules={"output": 0})(x)
+    torch.testing.assert_close(got, head(x))
+
+
+def test_an_unbatched_size_that_is_no_multiple_is_not_called_flattened() -> None:
+    """Sizes that are not one multiple of the chunk sizes get the plain warning."""
+
+    class Rows(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.new_ones(7, 2) * x.sum()  # 7 rows, whatever the chunk
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp.DataParallel(Rows(), CPU2)(torch.randn(4, 3))
+    messages = [str(w.message) for w in caught]
+    assert any("not their chunk size" in m for m in messages), messages
+    assert not any("times its chunk size" in m for m in messages), messages

@@ -118,6 +118,21 @@ def test_four_images_alone_follow_torch_and_warn() -> None:
     assert fixed.batch_size == 4 and rules(fixed) == {"args[0]": "per-sample"}
 
 
+def test_a_list_of_tensors_of_different_ranks_is_not_samples() -> None:
+    """RetinaNet's ``retinanet([images, annotations])``: a ``(5, 3, H, W)`` batch and ``(5, N,
+    5)`` boxes are no two samples of one kind, so the list votes for its common size only: no
+    tie with its length, no warning. Items of one rank still tie (four images, above)."""
+    images, annotations = torch.zeros(5, 3, 8, 8), torch.zeros(5, 3, 5)
+    p = dp.plan(([images, annotations],), None, CPU2)
+    assert p.batch_size == 5 and p.warnings == []
+    assert p.votes == [dp.Vote("args[0]", 5, "common size along dim 0")]
+    assert rules(p) == {"args[0][0]": "split", "args[0][1]": "split"}
+    # where the other inputs make its length the batch size, it is still cut per sample
+    pair = [torch.zeros(3, 4), torch.zeros(3, 2, 2)]
+    p = dp.plan((pair, torch.zeros(2), torch.zeros(2)), None, CPU2)
+    assert p.batch_size == 2 and rules(p)["args[0]"] == "per-sample"
+
+
 def test_lookup_tables_outvote_a_small_batch() -> None:
     x, t1, t2 = torch.zeros(4, 3), torch.zeros(20, 5), torch.zeros(20, 5)
     p = dp.plan((x, t1, t2), None, CPU2)

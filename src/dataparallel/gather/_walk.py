@@ -190,6 +190,26 @@ def _warn_concat(values: list[Any], path: _Path, ctx: _Ctx) -> None:
         f"along dim {dim}, as torch.nn.DataParallel does. If this output is not batched, "
         f"return the same value on every replica; if it is, give it the chunk size along dim "
         f"{dim}; or use gather=False to handle the per-replica outputs yourself"
+        + _flattened_hint(shapes, d, path, ctx)
+    )
+
+
+def _flattened_hint(shapes: list[tuple[int, ...]], d: int, path: _Path, ctx: _Ctx) -> str:
+    """Where every replica's size along the dim is one multiple ``k`` of its chunk size, the
+    output reads as a batch flattened with the next dimension (the OpenAI transformer LM's
+    ``(batch * choices * tokens, vocab)`` logits): that concatenation is one device's, and
+    ``output_rules={path: dim}`` says so (no rule can tell it from an unbatched output of that
+    size on an even split, so the library does not assume it)."""
+    if ctx.sizes is None or 0 in ctx.sizes:
+        return ""
+    ks = {s[d] // n if s[d] % n == 0 else 0 for s, n in zip(shapes, ctx.sizes, strict=True)}
+    if len(ks) != 1 or (k := ks.pop()) < 2:
+        return ""
+    return (
+        f". Each size is {k} times its chunk size, as in a batch flattened with a dimension of "
+        f"{k} (a (batch, {k}, ...) output viewed as (batch * {k}, ...)): if that is what it is, "
+        f"the concatenation is one device's, and output_rules={{{fmt(path)!r}: {ctx.dim}}} "
+        f"says so and silences this warning"
     )
 
 
@@ -256,6 +276,10 @@ def _per_sample(values: list[Any], sizes: tuple[int, ...], dim: int) -> list[set
     for value, size in zip(values, sizes, strict=True):
         types = item_types(value)
         found.append(types)
+        if len(types) > 1 and len({kind_of(x) for x in value}) > 1:
+            # items of different kinds are no records of one kind (pix2pixHD's ``[losses,
+            # None]``): structure, as the batch rules read such an input
+            return None
         if types <= ATOMS:
             continue  # strings, numbers: no tensor to look at
         if value and all(isinstance(x, (torch.Tensor, np.ndarray)) and x.ndim == 0 for x in value):

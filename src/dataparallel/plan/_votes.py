@@ -154,7 +154,11 @@ class Collector:
                 info.common = _size_along(obj[0], dim)
                 info.size = len(obj)
                 self.votes.append(Vote(path, info.common or 0, f"common size along {self.axis}"))
-                self.votes.append(Vote(path, info.size, "length"))
+                # Items of different ranks are not samples of one kind (RetinaNet's
+                # ``[images, annotations]``): the length casts no vote, so no tie to warn of.
+                ndim = obj[0].ndim
+                if all(x.ndim == ndim for x in obj):
+                    self.votes.append(Vote(path, info.size, "length"))
                 return info
             if kind == "sequence":
                 info = Info("sequence", obj, path)

@@ -93,6 +93,7 @@ def _replicas_of(
     ``keep`` says so of the tree, or of the modules just refilled) when it has none for this
     structure."""
     entry = table.get(devices)
+    previous = entry
     if entry is not None:
         fills = entry.fills
         replicas = entry.current_replicas(module)
@@ -106,6 +107,8 @@ def _replicas_of(
     except Scripted:
         return replicate_scripted(module, devices)
     entry = Replicas(module, devices)
+    if previous is not None:  # (a frozen parameter's ``.data`` rebound: a new address)
+        entry.adopt(previous)
     replicas = entry.current_replicas(module)
     if replicas is None:  # pragma: no cover - the structure changed while it was being built
         raise RuntimeError("module: its structure changed while its replicas were being built")

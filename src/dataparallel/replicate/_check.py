@@ -45,6 +45,7 @@ __all__ = [
     "Snapshot",
     "filled",
     "fingerprint",
+    "moved_data_only",
     "self_referencing",
     "structure_key",
 ]
@@ -121,6 +122,30 @@ def structure_key(modules: list[nn.Module]) -> list[Any]:
                 add(None if b is None else (b.shape, b.dtype, b.device))
         add(0)  # end of this module
     return key
+
+
+def moved_data_only(old: list[Any], new: list[Any], placed: dict[int, Any]) -> bool:
+    """Whether structure key ``new`` differs from ``old`` only in parameters whose data moved
+    to a new address with the device, dtype and shape they had (``placed``: id -> the
+    parameter and those three, as the set was built): a forward or a loop that assigns
+    ``p.data`` (a spectral norm's ``u.data = ...`` on every call). The replicas follow such a
+    write without a rebuild (shared, copied on each call with grad, compared by shape and
+    dtype without), and a rebuild on every call would cost a refill and lose the copies an
+    earlier call's graph saved. A ``.to()`` changes the device or dtype: rebuilt."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new, strict=True):
+        if a == b:
+            continue
+        if type(a) is not tuple or type(b) is not tuple or len(a) != 2 or len(b) != 2:
+            return False
+        entry = placed.get(a[0]) if a[0] == b[0] else None
+        if entry is None:
+            return False
+        p, device, dtype, shape = entry
+        if p.device != device or p.dtype != dtype or p.shape != shape:
+            return False
+    return True
 
 
 # A module's tables whose contents a replica copies: the values and names of the first three

@@ -135,9 +135,10 @@ class Target:
     its copy here (the parameter until the first sync makes one); ``remote`` lists the
     copied slots. ``mode``: the grad mode every copy was made in and may be refreshed in
     place under (``None``: never, they were made with grad enabled or not at all).
+    ``frozen``: the copies of parameters that do not require grad, kept for calls with grad.
     """
 
-    __slots__ = ("device", "key", "mode", "remote", "tensors")
+    __slots__ = ("device", "frozen", "key", "mode", "remote", "tensors")
 
     def __init__(self, key: Key, params: list[nn.Parameter]) -> None:
         self.key = key
@@ -145,6 +146,9 @@ class Target:
         self.tensors: list[torch.Tensor] = list(params)
         self.remote = [i for i, p in enumerate(params) if device_key(p.device) != key]
         self.mode: str | None = None
+        # slot -> (the parameter, its copy here): copies of parameters that do not require
+        # grad, kept as objects across calls with grad and rebound to each call's value
+        self.frozen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class Ready:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dataparallel._common.warn import warn_user
-from dataparallel.replicate._check import Snapshot, fingerprint, structure_key
+from dataparallel.replicate._check import Snapshot, fingerprint, moved_data_only, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
 from dataparallel.replicate._copy import slot_names
 from dataparallel.replicate._rebind import (
@@ -126,6 +126,9 @@ class Replicas(TensorSync):
                 or source.none_buffers
             )
         self.with_buffers = [s for s in self.sources if s.buffer_slots]
+        # id -> each parameter, its device, dtype and shape: data that only moved (``p.data =
+        # t``, same placement) is followed without a rebuild (``moved_data_only``)
+        self.placed = {id(p): (p, p.device, p.dtype, p.shape) for p in self.params}
 
         # Raises torch's own error for lazy modules, as torch.nn.parallel.replicate does. An
         # OptimizedModule gets no replica of its own: its node holds its child's.
@@ -182,6 +185,31 @@ class Replicas(TensorSync):
             if self.sources[i].through is None and (names := slot_names(type(m)))
         ]
 
+    def adopt(self, old: Replicas) -> None:
+        """Take over the copies of frozen parameters that ``old``, the set this one replaces
+        (same module, same devices), gave its replicas: the same tensor objects, re-synced at
+        the next call, so a graph an earlier call saved one in reads what later calls write
+        into it, as on one device (``_written.resync``). A spectral norm whose forward
+        assigns ``u.data`` gives its parameter a new address on every call, which rebuilds
+        the set (``structure_key``) each time."""
+        if len(old.replicas) != len(self.replicas):
+            return
+        slot = {id(p): i for i, p in enumerate(self.params)}
+        params = old.params  # (a clone's source is the parameter, or its copy on a device)
+        self.writes.clones = {
+            (j, slot[id(params[i])]): entry
+            for (j, i), entry in old.writes.clones.items()
+            if id(params[i]) in slot
+        }
+        for key, target in self.views.items():
+            before = old.views.get(key)
+            if before is not None:
+                target.frozen = {
+                    slot[id(source)]: (source, kept)
+                    for source, kept in before.frozen.values()
+                    if id(source) in slot
+                }
+
     # -- what changed ---------------------------------------------------------------------------
 
     def modules(self, root: nn.Module) -> list[nn.Module]:
@@ -219,7 +247,13 @@ class Replicas(TensorSync):
 
     def unchanged(self, root: nn.Module) -> bool:
         """Whether ``root``'s structure is still the one these replicas were built for."""
-        return structure_key(self.modules(root)) == self.structure
+        key = structure_key(self.modules(root))
+        if key == self.structure:
+            return True
+        if not moved_data_only(self.structure, key, self.placed):
+            return False
+        self.structure = key
+        return True
 
     # -- the whole sync ---------------------------------------------------------------------
 

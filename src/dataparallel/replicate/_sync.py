@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from dataparallel.replicate._records import NOT_YET, Key, Ready, Replica, Source, Target
+from dataparallel.replicate._written import resync
 
 __all__ = ["TensorSync"]
 
@@ -98,6 +99,9 @@ class TensorSync:
                 for t in dests:
                     for i in slots:
                         t.tensors[i] = _copy_to(params[i], t.device)
+            frozen = [i for i in slots if not params[i].requires_grad]
+            for t in dests if frozen else ():
+                _keep_frozen(t, params, frozen)
 
     def _copy_in_place(self, target: Target, mode: str) -> None:
         """Grad disabled: refresh ``target``'s copies from the module's parameters.
@@ -251,6 +255,25 @@ def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if here.type == device.type and (here.type == "cpu" or here.index == device.index):
         return tensor.clone()
     return tensor.to(device, copy=True)
+
+
+def _keep_frozen(target: Target, params: list[nn.Parameter], slots: list[int]) -> None:
+    """Give ``target`` its kept copy object of each parameter in ``slots`` (none requires
+    grad), its data rebound to this call's new copy.
+
+    On one device a graph saves the module's own tensor: a later call's ``u.data = ...`` in
+    forward (a spectral norm's power iteration) is what an earlier call's pending backward
+    reads. A copy kept as the same object across calls gives each replica that reading too;
+    a new object per call would keep each call's own value."""
+    kept = target.frozen
+    tensors = target.tensors
+    for i in slots:
+        entry = kept.get(i)
+        if entry is None or entry[0] is not params[i]:
+            kept[i] = (params[i], tensors[i])
+        else:
+            tensors[i] = resync(entry[1], tensors[i])
+            kept[i] = (params[i], tensors[i])
 
 
 def _copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

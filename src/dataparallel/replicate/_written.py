@@ -18,7 +18,11 @@ value; a row rotation keeps the sum and norm), on every call:
   any route (in place, through ``.data``, ``_foreach_*``), and then the writer gets its own
   copy. So replica 0 (the module itself) writes the module's parameter once, the others write
   their own, and a frozen backbone that forward never writes costs no memory at all. A clone
-  is kept across calls while both sides are still unwritten, and made again otherwise;
+  is kept across calls: while both sides are unwritten as it is, else with its data rebound
+  to a new clone of the module's value (``resync``). It is the same tensor object, so an
+  earlier call's pending backward reads what a later call's forward wrote into it, as it
+  reads the module's own tensor on one device (heykeetae's SAGAN: a spectral norm writes
+  ``u.data`` on each of two calls, then one backward);
 - a shared parameter that requires grad stays shared (the gradient must reach it), and its
   version counter and data address are read before and after the replicas run: a forward that
   wrote it (a max-norm renormalisation under ``torch.no_grad()``, a decay, a ``.data =``
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WRITES", "ForwardWrites", "check_writes"]
+__all__ = ["WRITES", "ForwardWrites", "check_writes", "resync"]
 
 # The mark on replica 1's ``__dict__`` that ``parallel_apply`` reads after the replicas ran.
 WRITES = "_dataparallel_writes"
@@ -103,13 +107,13 @@ class ForwardWrites:
             for i in frozen:
                 source = mine[i]
                 entry = clones.get((j, i))
-                if (
-                    entry is None
-                    or entry[0] is not source
-                    or not _IS_COW(source)
-                    or not _IS_COW(entry[1])
-                ):
+                if entry is None or entry[0] is not source:
                     entry = (source, _clone(source))
+                elif not (_IS_COW(source) and _IS_COW(entry[1])):
+                    # The same clone object, its data rebound to the module's value: a graph
+                    # an earlier call saved it in then reads what this call's forward writes,
+                    # as on one device (a spectral norm's ``u``, two calls, one backward).
+                    entry = (source, resync(entry[1], _clone(source)))
                 kept[j, i] = entry
                 mine[i] = entry[1]
             out.append(mine)
@@ -191,6 +195,21 @@ def _shared_slots(per_device: list[list[torch.Tensor]]) -> list[int]:
                 break
             seen.add(key)
     return shared
+
+
+def resync(kept: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """``kept`` with its data rebound to ``fresh`` (a copy of the module's value): the same
+    tensor object, so a graph an earlier call saved it in reads what later calls write, as it
+    reads the module's own tensor on one device. ``.data =`` bumps no version, as the user's
+    own ``u.data = ...`` does not. ``fresh`` itself where ``kept`` cannot take it (another
+    kind of tensor, or the module's tensor now has another device or layout)."""
+    if kept.device != fresh.device or kept.layout != fresh.layout or kept.is_inference():
+        return fresh
+    try:
+        kept.data = fresh
+    except RuntimeError:  # incompatible tensor types
+        return fresh
+    return kept
 
 
 def _clone(tensor: torch.Tensor) -> torch.Tensor:
