@@ -1,0 +1,109 @@
+"""transformers' models whose loss is not a mean over labels other than -100 (issue 59).
+
+``Wav2Vec2ForCTC`` (CTC, ``mean``: over samples of loss / target length; ``sum``) and
+``BertForPreTraining`` (masked-LM token mean + next-sentence sample mean), from tiny configs
+with random weights: the wrapped loss and every gradient are one device's. Before, the labels'
+rule weighed each chunk by its labels other than -100: 19.50 against 20.78 (CTC mean), 380.9
+against 190.4 (CTC sum), 6.05 against 6.33 (pre-training).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from _close import assert_close_rel
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+DEVICES = [["cpu", "cpu"], ["cpu", "cpu:1", "cpu:1"]]
+
+
+def _same(model: nn.Module, devices: list[str], data: dict[str, Any]) -> None:
+    model.eval()
+    par = copy.deepcopy(model)
+    want = model(**data).loss
+    got = dp.DataParallel(par, devices)(**data).loss
+    assert_close_rel(got, want, msg="loss")
+    want.backward()
+    got.backward()
+    largest = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), par.parameters(), strict=True):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        assert q.grad is not None, name
+        # a gradient zero in exact arithmetic is rounding noise: relative to the largest too
+        scale = max(float(p.grad.abs().max()), 1e-3 * largest)
+        diff = float((q.grad - p.grad).abs().max()) / scale
+        assert diff <= 1e-4, f"{name}.grad differs by {diff} (relative)"
+
+
+def tiny_wav2vec2(reduction: str) -> nn.Module:
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(8)
+    config = Wav2Vec2Config(
+        vocab_size=7,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        conv_dim=(8, 8),
+        conv_kernel=(4, 4),
+        conv_stride=(2, 2),
+        num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        feat_proj_dropout=0.0,
+        final_dropout=0.0,
+        layerdrop=0.0,
+        mask_time_prob=0.0,
+        ctc_loss_reduction=reduction,
+        ctc_zero_infinity=True,
+        pad_token_id=0,
+    )
+    return Wav2Vec2ForCTC(config)
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=len)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_wav2vec2_ctc(reduction: str, devices: list[str]) -> None:
+    gen = torch.Generator().manual_seed(9)
+    audio = torch.randn(5, 80, generator=gen)
+    labels = torch.randint(1, 7, (5, 6), generator=gen)
+    for i, length in enumerate((1, 6, 2, 5, 3)):
+        labels[i, length:] = -100  # padded as the CTC collators pad: -100
+    _same(tiny_wav2vec2(reduction), devices, {"input_values": audio, "labels": labels})
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=len)
+def test_bert_pre_training(devices: list[str]) -> None:
+    from transformers import BertConfig, BertForPreTraining
+
+    torch.manual_seed(10)
+    config = BertConfig(
+        vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, 20, (5, 8), generator=gen)
+    labels = torch.randint(2, 20, (5, 8), generator=gen)
+    labels[torch.rand(5, 8, generator=gen) < 0.7] = -100
+    labels[:2] = -100  # a first chunk with no masked token: its next-sentence term still counts
+    nsp = torch.randint(0, 2, (5,), generator=gen)
+    data = {"input_ids": ids, "labels": labels, "next_sentence_label": nsp}
+    _same(BertForPreTraining(config), devices, data)
