@@ -322,11 +322,10 @@ def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any],
     down: DETR's list of per-image dicts). The containers are copies."""
 
     def one(value: Any) -> Any:
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(_mark(v) if not isinstance(v, dict) else _dict(v) for v in value)
-        if isinstance(value, dict):
-            return _dict(value)
-        return _mark(value)
+        kind = type(value)  # exactly these: a container of the user's class stays as it is
+        if kind is list or kind is tuple:
+            return kind(_dict(v) if type(v) is dict else _mark(v) for v in value)
+        return _dict(value) if kind is dict else _mark(value)
 
     def _dict(d: Mapping[Any, Any]) -> Any:
         return {k: _mark(v) for k, v in d.items()}
