@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._tensor import _convert
 from torch.overrides import get_default_nowrap_functions
-from torch.utils._pytree import tree_leaves, tree_map
 
 from dataparallel._common.warn import warn_user
 from dataparallel.gather._counted import is_counted, unmark
@@ -204,7 +204,7 @@ def _denominator(func: Any, a: dict[str, Any], losses: torch.Tensor, reduction: 
 
 def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """The mark of ``func``'s result, from the marks of its arguments."""
-    found = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    found = _tensors(args, kwargs)
     terms = [x for x in found if isinstance(x, Term)]
     if terms:
         return _combine(func, args, kwargs, out)
@@ -223,8 +223,24 @@ def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         return out
     picked = func in _SELECT and isinstance(args[0], Target)
     if not picked and not all(isinstance(x, Target) for x in found):
-        return out  # computed with the network's tensors: plain from here on
-    return tree_map(lambda x: _as(x, Target), out)
+        # computed with the network's tensors: plain from here on, unless it is integers
+        # (no activation is: peft's -100 labels of virtual tokens joined to the labels)
+        if not isinstance(out, torch.Tensor) or out.is_floating_point() or out.is_complex():
+            return out
+        if not any(isinstance(x, Target) for x in found):
+            return out
+    return _convert(out, Target)
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, and one list down (``torch.cat([a, b])``)."""
+    found = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif type(x) in (list, tuple):
+            found.extend(y for y in x if isinstance(y, torch.Tensor))
+    return found
 
 
 def _name(func: Any) -> str:
