@@ -301,3 +301,29 @@ def test_explain_says_how_scalar_outputs_are_gathered() -> None:
     assert any(n.startswith("scalar outputs: ") and "re-formed" in n for n in notes)
     weighted = dp.DataParallel(Segmenter(), ["cpu", "cpu"], scalar_weights=lambda a, kw: 1)
     assert not weighted.explain(torch.randn(4, 3, 2, 2), torch.zeros(4, 2, 2)).notes
+
+
+class HandTokenMean(nn.Module):
+    """A token mean written by hand: picked log-probabilities summed over the label tokens,
+    over their count (no torch loss function builds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logp = self.head(self.emb(input_ids)).log_softmax(-1)
+        keep = labels != -100
+        picked = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return -(picked * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=len)
+def test_a_sum_written_by_hand_over_a_count_of_the_data(devices: list[str]) -> None:
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 11, (7, 6), generator=gen)
+    labels = ids.masked_fill(torch.rand(7, 6, generator=gen) < 0.4, -100)
+    labels[:3, 1:] = -100
+    _same(HandTokenMean(), devices, ids, labels)

@@ -221,6 +221,9 @@ def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         return _as(out, Elements)
     if func in _ESCAPES:
         return out
+    if func in _DIV and len(args) == 2 and _counts(args[0], args[1], out):
+        # a sum over the chunk (written by hand) over a count computed from the data
+        return _term(out, (("mean", plain(args[0]), plain(args[1]).reshape(()), 1.0),))
     picked = func in _SELECT and isinstance(args[0], Target)
     if not picked and not all(isinstance(x, Target) for x in found):
         # computed with the network's tensors: plain from here on, unless it is integers
@@ -230,6 +233,14 @@ def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         if not any(isinstance(x, Target) for x in found):
             return out
     return _convert(out, Target)
+
+
+def _counts(a: Any, b: Any, out: Any) -> bool:
+    """Whether ``a / b`` is a number over a count: ``a`` a plain floating scalar, ``b`` one
+    computed from the data alone."""
+    if not isinstance(b, Target) or b.numel() != 1 or isinstance(a, _Marked):
+        return False
+    return isinstance(a, torch.Tensor) and a.ndim == 0 and out.is_floating_point()
 
 
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
