@@ -11,6 +11,7 @@ gradient by 5e-3 relative), 3.9e-3 of 4.1 (prompt tuning).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -123,3 +124,41 @@ def test_peft_prompt_tuning_in_a_plain_loop(devices: list[str]) -> None:
     data = text_batch(5, seed=13)
     data["labels"][:2, 2:] = -100  # few labelled tokens in the first chunk
     _same(model, devices, data)
+
+
+def test_an_moe_router_loss_is_told_once() -> None:
+    """Qwen2-MoE with its router loss: a load-balancing term computed from router logits alone
+    (no loss function builds it) that differs between chunks: told once per place, naming the
+    output and scalar_weights=; the cross-entropy term beside it is still re-formed."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(14)
+    config = Qwen2MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        max_position_embeddings=32,
+    )
+    model = Qwen2MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(15)
+    ids = torch.randint(0, 32, (5, 8), generator=gen)
+    labels = ids.masked_fill(torch.rand(5, 8, generator=gen) < 0.3, -100)
+    wrapped = dp.DataParallel(copy.deepcopy(model), ["cpu", "cpu"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = wrapped(input_ids=ids, labels=labels).loss
+    told = [str(w.message) for w in caught if "cannot be re-formed" in str(w.message)]
+    assert len(told) == 1, told
+    assert told[0].startswith("output['loss']: ") and "differs between chunks" in told[0]
+    assert "scalar_weights=" in told[0]
+    want = model(input_ids=ids, labels=labels).loss
+    assert_close_rel(got, want, rtol=1e-2)  # close, not exact: the router term is a guess

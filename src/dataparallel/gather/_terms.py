@@ -81,11 +81,11 @@ _LOSSES: dict[Any, inspect.Signature] = {
     )
 }
 T = torch.Tensor
-_ADD = frozenset({T.__add__, T.__radd__, T.add, torch.add, T.__iadd__})
-_SUB = frozenset({T.__sub__, T.sub, torch.sub, T.__isub__})
+_ADD = frozenset({T.__add__, T.__radd__, T.add, torch.add, T.__iadd__, T.add_})
+_SUB = frozenset({T.__sub__, T.sub, torch.sub, T.__isub__, T.sub_})
 _RSUB = frozenset({T.__rsub__})
-_MUL = frozenset({T.__mul__, T.__rmul__, T.mul, torch.mul, T.__imul__})
-_DIV = frozenset({T.__truediv__, T.div, torch.div, torch.true_divide, T.__itruediv__})
+_MUL = frozenset({T.__mul__, T.__rmul__, T.mul, torch.mul, T.__imul__, T.mul_})
+_DIV = frozenset({T.__truediv__, T.div, torch.div, torch.true_divide, T.__itruediv__, T.div_})
 _NEG = frozenset({T.__neg__, T.neg, torch.neg})
 # Ops that keep a term's value (its dtype, shape or graph aside): the parts stay.
 _KEEP = frozenset(
@@ -303,8 +303,17 @@ def _combine(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         told = [x.untold for x in (a, b) if isinstance(x, Term) and x.untold]
         if not told and func in _MUL:
             told = ["a product of two loss terms (an MoE's load-balancing loss is one)"]
-        return _term(out, (), told[0] if told else f"{_name(func)} of a loss term")
-    return _term(out, parts)
+        return _held(a, out, (), told[0] if told else f"{_name(func)} of a loss term")
+    return _held(a, out, parts)
+
+
+def _held(a: Any, out: Any, parts: tuple[Any, ...], untold: str | None = None) -> Term:
+    """The result's term; an in-place op (``loss += aux``, ``loss.add_(aux)``) changes the
+    term it was called on, which its caller may keep."""
+    if out is a and isinstance(a, Term):
+        a.parts, a.untold = parts, untold
+        return a
+    return _term(out, parts, untold)
 
 
 def _product(a: Any, b: Any, pa: tuple[Any, ...], pb: tuple[Any, ...]) -> Any:
