@@ -407,7 +407,7 @@ def gather_terms(
         first = plain(first)
         total = total.to(first.dtype).reshape(first.shape)
         return total if first.requires_grad else total.detach()
-    _tell(path, ctx, untold)
+    _tell(path, ctx, untold, "the whole loss is the chunk-size mean of the chunks' values")
     return fallback([plain(v) for v in values])
 
 
@@ -429,25 +429,27 @@ def _part(values: list[Any], k: int, path: Any, ctx: Any) -> Any:
         if len(set(dens)) == 1:  # a constant divisor
             return sum_all(nums) / dens[0]
         if ctx.sizes is None or list(dens) != [float(n) for n in ctx.sizes]:
-            _tell(path, ctx, f"a sum divided by a Python number that differs ({dens})")
+            what = f"a sum divided by a Python number that differs between chunks ({dens})"
+            _tell(path, ctx, what, "that term is the chunks' sums over the sum of those numbers")
         return sum_all(nums) / sum(dens)
     consts = [torch.as_tensor(n, device=target) for n in nums]
     if all(torch.equal(c.detach(), consts[0].detach()) for c in consts[1:]):
         return nums[0]  # a term that does not depend on the chunk's data: once
-    _tell(path, ctx, "a term added that differs between chunks and no loss function built")
+    what = "a term added that differs between chunks and no loss function built"
+    _tell(path, ctx, what, "that term is its chunk-size mean")
     return sum_all([c * w for c, w in zip(consts, ctx.weights, strict=True) if w])
 
 
-def _tell(path: Any, ctx: Any, what: str) -> None:
+def _tell(path: Any, ctx: Any, what: str, kept: str) -> None:
+    """One warning per wrapper and place (``ctx.warned``) for a term not re-formed."""
     where = fmt(path)
-    key = ("loss-term", where, what)
+    key = ("loss-term", where, kept)  # (what may name values: once per kind of term)
     if ctx.warned is not None:
         if key in ctx.warned:
             return
         ctx.warned.add(key)
     warn_user(
-        f"{where}: this loss holds {what}, which cannot be re-formed over the whole batch, so "
-        f"it is the mean of the chunks' values weighed by chunk size, not the one-device "
-        f"value. Pass scalar_weights=lambda args, kwargs: <the chunk's weight> to weigh it, "
-        f"or return the terms apart"
+        f"{where}: this loss holds {what}, which cannot be re-formed over the whole batch: "
+        f"{kept}, not the one-device value. Pass scalar_weights=lambda args, kwargs: <the "
+        f"chunk's weight> to weigh the loss, or return the terms apart"
     )
