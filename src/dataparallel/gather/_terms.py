@@ -57,29 +57,14 @@ __all__ = [
 ]
 
 _NOWRAP = get_default_nowrap_functions()
-_LOSSES: dict[Any, inspect.Signature] = {
-    f: inspect.signature(f)
-    for f in (
-        F.cross_entropy,
-        F.nll_loss,
-        F.ctc_loss,
-        F.mse_loss,
-        F.l1_loss,
-        F.smooth_l1_loss,
-        F.huber_loss,
-        F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits,
-        F.kl_div,
-        F.soft_margin_loss,
-        F.multilabel_soft_margin_loss,
-        F.multi_margin_loss,
-        F.poisson_nll_loss,
-        F.gaussian_nll_loss,
-        F.hinge_embedding_loss,
-        F.margin_ranking_loss,
-        F.cosine_embedding_loss,
-    )
-}
+# torch's loss functions (their modules call them): each dispatches on a marked argument
+_LOSS_NAMES = (
+    "cross_entropy nll_loss ctc_loss mse_loss l1_loss smooth_l1_loss huber_loss "
+    "binary_cross_entropy binary_cross_entropy_with_logits kl_div soft_margin_loss "
+    "multilabel_soft_margin_loss multi_margin_loss poisson_nll_loss gaussian_nll_loss "
+    "hinge_embedding_loss margin_ranking_loss cosine_embedding_loss"
+)
+_LOSSES = {getattr(F, n): inspect.signature(getattr(F, n)) for n in _LOSS_NAMES.split()}
 T = torch.Tensor
 _ADD = frozenset({T.__add__, T.__radd__, T.add, torch.add, T.__iadd__, T.add_})
 _SUB = frozenset({T.__sub__, T.sub, torch.sub, T.__isub__, T.sub_})
