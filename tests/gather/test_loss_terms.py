@@ -327,3 +327,15 @@ def test_a_sum_written_by_hand_over_a_count_of_the_data(devices: list[str]) -> N
     labels = ids.masked_fill(torch.rand(7, 6, generator=gen) < 0.4, -100)
     labels[:3, 1:] = -100
     _same(HandTokenMean(), devices, ids, labels)
+
+
+@pytest.mark.parametrize("scalars", ["sum", "stack"])
+def test_scalars_sum_and_stack_still_decide(scalars: str) -> None:
+    """scalars= other than "mean" asks for the chunks' own values: summed, or one per
+    replica, as before."""
+    feats, labels = _ctc_batch(6)
+    model = CTC("mean")
+    parts = [model(f, y)[0] for f, y in zip(feats.split(3), labels.split(3), strict=True)]
+    got = dp.DataParallel(model, ["cpu", "cpu"], scalars=scalars)(feats, labels)[0]
+    want = parts[0] + parts[1] if scalars == "sum" else torch.stack(parts)
+    assert_close_rel(got, want)
