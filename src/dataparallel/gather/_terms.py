@@ -114,10 +114,12 @@ class Elements(_Marked):
 
 class Term(_Marked):
     """A scalar made of a chunk's loss terms: ``parts`` (kind, num, den, scale), or ``untold``
-    (why it cannot be re-formed)."""
+    (why it cannot be re-formed); ``counted``: ``num_items_in_batch`` took part (re-formed
+    whatever ``scalars`` says, as the count's outputs are)."""
 
     parts: tuple[tuple[str, Any, Any, Any], ...]
     untold: str | None
+    counted = False
 
 
 def plain(value: Any) -> Any:
@@ -288,8 +290,11 @@ def _combine(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         told = [x.untold for x in (a, b) if isinstance(x, Term) and x.untold]
         if not told and func in _MUL:
             told = ["a product of two loss terms (an MoE's load-balancing loss is one)"]
-        return _held(a, out, (), told[0] if told else f"{_name(func)} of a loss term")
-    return _held(a, out, parts)
+        out = _held(a, out, (), told[0] if told else f"{_name(func)} of a loss term")
+    else:
+        out = _held(a, out, parts)
+    out.counted = any(getattr(x, "counted", False) or is_counted(x) for x in (a, b))
+    return out
 
 
 def _held(a: Any, out: Any, parts: tuple[Any, ...], untold: str | None = None) -> Term:

@@ -93,7 +93,8 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if ctx.count is not None and any(map(is_counted, values)):  # computed from the count
         return gather_counted(values, path, ctx, lambda plain: _gather_arrays(plain, path, ctx))
     if any(map(is_marked, values)):  # a loss's terms (_terms), or marked data passed through
-        if ctx.scalars == "mean" and any(isinstance(v, Term) for v in values):
+        terms = [v for v in values if isinstance(v, Term)]
+        if terms and (ctx.scalars == "mean" or any(v.counted for v in terms)):
             return gather_terms(values, path, ctx, lambda vs: walk(vs, path, ctx))
         values = [plain(v) for v in values]
     cls = type(values[0])
