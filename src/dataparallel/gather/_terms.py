@@ -5,8 +5,9 @@ one-device loss is the same terms over the whole batch: a mean is each chunk's s
 of each chunk's denominator, a sum is summed, a term that does not depend on the data counts
 once. Which term is which is observed, not guessed, at the only places a loss is made:
 
-- **Marked data** (``Target``): each chunk's integer tensors (labels, ids, masks) are marked
-  as the replica receives them (``mark_targets``). An op whose tensors are all marked (a shift,
+- **Marked data** (``Target``): in a call that passes an integer tensor (labels, ids), each
+  chunk's tensors are marked as the replica receives them (``mark_targets``); a call of floats
+  alone is not (nothing to mark it costs). An op whose tensors are all marked (a shift,
   ``labels != -100``, ``masked_select``, a count ``mask.sum()``) gives marked results; one that
   mixes in any other tensor (an embedding, attention scores) gives plain ones, so the network's
   own ops pay one dispatch at most, not one each (a ``TorchFunctionMode`` around forward would).
@@ -343,9 +344,32 @@ def _mark(value: Any) -> Any:
     return _as(value, Target) if type(value) is torch.Tensor and value.ndim else value
 
 
+def _leaves(chunk_args: Any, chunk_kwargs: Any) -> Any:
+    """A chunk's arguments, at the top and one plain list, tuple or dict down."""
+    for value in (*(chunk_args or ()), *(chunk_kwargs or {}).values()):
+        kind = type(value)
+        if kind is list or kind is tuple:
+            for v in value:
+                yield from v.values() if type(v) is dict else (v,)
+        else:
+            yield from value.values() if kind is dict else (value,)
+
+
+def _integers(value: Any) -> bool:
+    return type(value) is torch.Tensor and value.ndim > 0 and value.dtype not in _NO_TARGET
+
+
+_NO_TARGET = frozenset(  # tensors that alone do not make a call mark its chunks
+    {torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64}
+)
+
+
 def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Each chunk's arguments with its integer tensors marked (at the top, or one container
-    down: DETR's list of per-image dicts). The containers are copies."""
+    """Each chunk's tensors marked (at the top, or one plain container down: DETR's list of
+    per-image dicts), where the call passes an integer tensor (labels, ids: what a loss in
+    forward needs); a call of floats alone (an image batch) is left as it is, at no cost."""
+    if not args or not any(map(_integers, _leaves(args[0], kwargs[0]))):
+        return list(args), list(kwargs)
 
     def one(value: Any) -> Any:
         kind = type(value)  # exactly these: a container of the user's class stays as it is
