@@ -4,24 +4,40 @@
 
 PYTHON ?= python3
 # Another Python gets a venv of its own beside .venv: `make test PYTHON=python3.13` sets up and
-# tests .venv-python3.13. CONSTRAINTS=constraints-newest.txt takes the newest torch tested;
-# PIP_ARGS passes options to pip, such as PyTorch's CPU index on a machine without a GPU
-# (README, "Quick start").
+# tests .venv-python3.13 (scripts/find_python.sh finds python3.13 on PATH, else in pyenv).
+# CONSTRAINTS=constraints-newest.txt takes the newest torch tested; PIP_ARGS passes options to
+# pip, such as PyTorch's CPU index on a machine without a GPU (README, "Quick start"): a
+# PIP_ARGS other than the one a venv was set up with sets that venv up again, from scratch,
+# since pip keeps an installed torch that satisfies the pins whatever index it came from.
 VENV ?= $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 CONSTRAINTS ?= constraints.txt
 PIP_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP_ARGS_FILE := $(VENV)/.pip-args
 
-.PHONY: setup train explain test test-newest lint bench bench-gpu readme-figures check-bare clean
+.PHONY: setup train explain test test-newest lint docs bench bench-gpu readme-figures check-bare clean
 
 setup: $(STAMP)
 
+ifneq ($(strip $(PIP_ARGS)),)
+ifneq ($(strip $(PIP_ARGS)),$(strip $(shell cat $(PIP_ARGS_FILE) 2>/dev/null)))
+$(STAMP): pip-args-changed
+endif
+endif
+
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
+	@if [ -n '$(strip $(PIP_ARGS))' ] && [ -d $(VENV) ] && \
+	  [ '$(strip $(PIP_ARGS))' != "$$(cat $(PIP_ARGS_FILE) 2>/dev/null)" ]; then \
+	  echo "PIP_ARGS differs from $(VENV)'s: setting it up again"; rm -rf $(VENV); fi
+	py=$$(scripts/find_python.sh '$(PYTHON)') && "$$py" -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[dev,plot]'
+	$(if $(strip $(PIP_ARGS)),printf '%s\n' '$(strip $(PIP_ARGS))' > $(PIP_ARGS_FILE))
 	touch $(STAMP)
+
+.PHONY: pip-args-changed
+pip-args-changed:
 
 train: $(STAMP)
 	$(BIN)/dataparallel train $(ARGS)
@@ -34,10 +50,29 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Every run says what it ran on: CI runs several (.ci/run).
+# Every run says what it ran on: CI runs several (.ci/run). The suite runs in two parts: the
+# tests not marked `slow` on TEST_WORKERS processes at once (pytest-xdist; a file's tests stay
+# together, in order, on one worker), then the `slow` ones (multi-process, end-to-end, timed
+# limits) one at a time, alone on the machine as before. Exit status 5 is pytest's "no test
+# selected" (an ARGS that names no slow test).
+TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -c "$$VERSIONS"
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m slow $(ARGS) || [ $$? -eq 5 ]
+
+# The API reference, the guide and the benchmarks page as HTML in docs/_build/html (open
+# index.html): Sphinx installed into the venv on first use (the `docs` extra), warnings as
+# errors, every cross-reference checked (-n).
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
 
 export VERSIONS := import sys, torch, transformers; print(f"testing on Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")
 
@@ -66,4 +101,4 @@ bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/bench_gpu.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-* .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .venv-* docs/_build .pytest_cache .mypy_cache .ruff_cache .hypothesis

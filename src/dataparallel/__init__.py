@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataparallel.checkpoints import load_unwrapped
 from dataparallel.criterion import DataParallelCriterion
-from dataparallel.devices import resolve_devices
+from dataparallel.devices import DeviceSpec, resolve_devices
 from dataparallel.distributed import (
     DistInfo,
     ShardedSampler,
@@ -19,13 +19,19 @@ from dataparallel.distributed import (
     init_distributed,
     shard,
 )
-from dataparallel.gather import gather
+from dataparallel.gather import ScalarWeights, gather
 from dataparallel.markers import Shared, Split
 from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Entry, Plan, Vote, plan
 from dataparallel.replicate import clear_replica_cache, fresh_replicate, replicate
 from dataparallel.scatter import scatter, scatter_kwargs
-from dataparallel.wrapper import CallStats, DataParallel, DeviceOutputs, data_parallel
+from dataparallel.wrapper import (
+    CallStats,
+    DataParallel,
+    DeviceOutputs,
+    OneDeviceDifference,
+    data_parallel,
+)
 
 __version__ = "0.1.0"
 
@@ -34,9 +40,12 @@ __all__ = [
     "DataParallel",
     "DataParallelCriterion",
     "DeviceOutputs",
+    "DeviceSpec",
     "DistInfo",
     "Entry",
+    "OneDeviceDifference",
     "Plan",
+    "ScalarWeights",
     "ShardedSampler",
     "Shared",
     "Split",

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dataparallel._common.digest import digest_damage, zip_damage
+
 __all__ = ["load_unwrapped"]
 
 _SUFFIX = "module."
@@ -49,7 +51,9 @@ def load_unwrapped(
             ``Trainer.save_model`` or ``save_pretrained`` (``model.safetensors``, sharded or
             not, or ``pytorch_model.bin``), a ``.safetensors`` file, or a file ``torch.save``
             wrote (Lightning's ``.ckpt``, ``fabric.save``'s), read with
-            ``weights_only=True``.
+            ``weights_only=True``, after its records are checked against the CRC-32s the
+            file holds (and a ``dataparallel train`` checkpoint against the SHA-256 of its
+            contents written with it).
         model: the plain module to load into (not the wrapper).
         key: where the state dict sits in a checkpoint dict; by default the dict itself when
             its values are tensors, else its ``"state_dict"`` (Lightning) or ``"model"``
@@ -64,14 +68,16 @@ def load_unwrapped(
         ``model``, loaded.
 
     Raises:
-        ValueError: no state dict in the checkpoint, or no prefix whose keys are ``model``'s.
+        ValueError: no state dict in the checkpoint, no prefix whose keys are ``model``'s, or
+            a damaged file (a record or the contents no longer match their checksum).
         RuntimeError: ``load_state_dict``'s, for keys missing or unexpected under ``strict``.
 
-    >>> import torch, dataparallel as dp
-    >>> wrapper = dp.DataParallel(torch.nn.Linear(2, 1), ["cpu", "cpu"])
-    >>> plain = dp.load_unwrapped(wrapper.state_dict(), torch.nn.Linear(2, 1))
-    >>> torch.equal(plain.weight, wrapper.module.weight)
-    True
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> wrapper = dp.DataParallel(torch.nn.Linear(2, 1), ["cpu", "cpu"])
+        >>> plain = dp.load_unwrapped(wrapper.state_dict(), torch.nn.Linear(2, 1))
+        >>> torch.equal(plain.weight, wrapper.module.weight)
+        True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -143,6 +149,9 @@ def _read(path: Path) -> Mapping[str, Any]:
                 f"installed; pip install safetensors"
             ) from exc
         return load_file(str(path))
+    damage = zip_damage(path)
+    if damage is not None:
+        raise ValueError(_damaged(path, damage))
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickled objects that weights_only refuses
@@ -155,7 +164,17 @@ def _read(path: Path) -> Mapping[str, Any]:
         raise ValueError(
             f"source: expected {str(path)!r} to hold a dict, found {type(loaded).__name__}"
         )
+    damage = digest_damage(loaded)
+    if damage is not None:
+        raise ValueError(_damaged(path, damage))
     return loaded
+
+
+def _damaged(path: Path, damage: str) -> str:
+    return (
+        f"source: expected {str(path)!r} as it was written, found it damaged ({damage}); "
+        f"nothing was loaded from it; load a copy you trust"
+    )
 
 
 def _state_dict(found: Mapping[str, Any], key: str | None) -> Mapping[str, Any]:

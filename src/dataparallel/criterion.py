@@ -54,6 +54,20 @@ class DataParallelCriterion(nn.Module):
     The criterion is used as it is on each call, not copied: a change made to it after
     construction (``loss.label_smoothing = 0.1``, ``ignore_index``, ``reduction``, ``weight``,
     or ``self.criterion = other``) applies from the next call on, as on one device.
+
+    Raises:
+        TypeError: ``criterion`` is not callable.
+        ValueError: a bad device spec or ``scalars``; at a call, targets whose size is not the
+            outputs' batch (the message names the argument).
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> model = dp.DataParallel(torch.nn.Linear(4, 3), ["cpu", "cpu"], gather=False)
+        >>> loss_fn = dp.DataParallelCriterion(torch.nn.CrossEntropyLoss())
+        >>> x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+        >>> loss = loss_fn(model(x), y)  # each device's chunk against its targets
+        >>> torch.allclose(loss, torch.nn.functional.cross_entropy(model.module(x), y))
+        True
     """
 
     def __init__(
@@ -65,6 +79,7 @@ class DataParallelCriterion(nn.Module):
         *,
         scalars: str | None = None,
     ) -> None:
+        """Check ``criterion``, the devices and ``scalars`` now (the class's Args)."""
         super().__init__()
         if not callable(criterion):
             raise TypeError(
@@ -107,7 +122,17 @@ class DataParallelCriterion(nn.Module):
         return exact
 
     def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
-        """The loss of ``outputs`` against ``targets``, computed where the outputs are."""
+        """The loss of ``outputs`` against ``targets``, computed where the outputs are.
+
+        Args:
+            outputs: a ``gather=False`` call's ``DeviceOutputs``; anything else is passed to
+                the criterion unchanged.
+            *targets: the targets for the whole batch, split as the outputs were.
+            **kwargs: the criterion's keyword arguments, split by the same rules.
+
+        Returns:
+            The loss on the output device: the one-device loss for torch's mean-reduced losses.
+        """
         if not isinstance(outputs, DeviceOutputs):
             return self.criterion(outputs, *targets, **kwargs)
         devices, sizes = outputs.devices, outputs.chunk_sizes

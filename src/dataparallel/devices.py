@@ -126,14 +126,27 @@ def resolve_devices(
     """Turn a device list (or one spec, or ``None``) into a list of ``torch.device``.
 
     ``None`` means every visible CUDA device, else ``["cpu"]``. Repeats are kept: each entry is
-    one replica.
+    one replica. Every function that takes devices resolves them so.
+
+    Args:
+        specs: a device spec (an ``int`` CUDA index, ``-1`` the CPU; a string such as ``"cpu"``
+            or ``"cuda:1"``; a ``torch.device``), a list of them, or ``None``.
+        where: the argument path the error messages name.
+
+    Returns:
+        One ``torch.device`` per entry, CUDA ones with their index.
 
     Raises:
+        TypeError: a set or mapping (no order, no repeats) where a list is meant.
         ValueError: the list is empty, or an entry is not a usable device (the message names
             its position, e.g. ``device_ids[1]``).
 
-    >>> resolve_devices(["cpu", "cpu"])
-    [device(type='cpu'), device(type='cpu')]
+    Example:
+        >>> import dataparallel as dp
+        >>> dp.resolve_devices(["cpu", "cpu"])
+        [device(type='cpu'), device(type='cpu')]
+        >>> dp.resolve_devices(-1)
+        [device(type='cpu')]
     """
     if specs is None:
         return default_devices()

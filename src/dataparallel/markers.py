@@ -13,10 +13,18 @@ class Shared(Generic[T]):
     """Broadcast ``obj`` to every device as is: never split, never cast, never a vote.
 
     Tensors inside are moved to each replica's device; everything else is shared by reference.
-    Use it for inputs that are not batched, such as a lookup table or a batch-1 prompt.
+    Use it for inputs that are not batched, such as a lookup table or a batch-1 prompt. It
+    raises nothing: whatever ``obj`` is, every replica receives it.
 
-    >>> Shared([8, 8])
-    Shared([8, 8])
+    Args:
+        obj: any argument, or any part of one (``Shared`` may sit deep in a container).
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> table = torch.zeros(4, 3)  # 4 rows: without Shared, a vote for a batch of 4
+        >>> p = dp.plan((torch.zeros(6, 3), dp.Shared(table)), None, ["cpu", "cpu"])
+        >>> p.chunk_sizes, [e.rule for e in p.entries]
+        ([3, 3], ['split', 'broadcast'])
     """
 
     __slots__ = ("obj",)
@@ -38,6 +46,18 @@ class Split(Generic[T]):
     Args:
         obj: a tensor, an ndarray, a list or a tuple.
         dim: the dimension to split a tensor or ndarray along; ``None`` means the call's ``dim``.
+
+    Raises:
+        ValueError: raised by the call that receives it (``dp.plan``, a wrapper's call), not
+            here: its size is not the batch size, or ``obj`` cannot be split.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> images = [torch.zeros(3, 8, 8) for _ in range(4)]  # 4 images, or 3 channels?
+        >>> dp.plan((images,), None, ["cpu", "cpu"]).chunk_sizes  # cut by channel: 2 + 1
+        [2, 1]
+        >>> dp.plan((dp.Split(images),), None, ["cpu", "cpu"]).chunk_sizes  # by image
+        [2, 2]
     """
 
     __slots__ = ("dim", "obj")

@@ -190,3 +190,22 @@ def test_a_closed_reader_ends_the_run_quietly(
     else:  # training prints for seconds: it always meets the closed pipe
         assert code == 141, err
     assert err == ""
+
+
+def test_ctrl_c_to_one_worker_is_said_in_one_line(
+    tmp_path: Path, reap: list[subprocess.Popen[str]]
+) -> None:
+    """Issue 63, item 9: SIGINT to one worker alone ended the job with 130 and nothing on
+    stderr (the worker leaves the saying to its launcher, which said nothing)."""
+    ckpt = tmp_path / "run.pt"
+    proc = _start([*TRAIN, *DDP, "--checkpoint", str(ckpt)], tmp_path)
+    reap.append(proc)
+    _first_epoch(proc)
+    workers = _workers(proc, 2)
+    os.kill(max(workers), signal.SIGINT)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err
+    assert err.count("\n") == 1, err
+    assert err.startswith("dataparallel: interrupted; worker rank "), err
+    assert f"was interrupted (SIGINT), and the other workers were stopped; {ckpt} keeps " in err
+    assert _wait_gone(workers, 30) == []

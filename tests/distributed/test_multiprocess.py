@@ -90,6 +90,10 @@ def test_shard_then_gather_all_gives_back_the_global_batch(tmp_path: Path, world
             torch.testing.assert_close(gathered.pop("loss"), expected["x"].sum(1).mean())
             assert_same(gathered, expected, f"rank {rank}, batch of {size}")
         message = (tmp_path / f"rank{rank}.txt").read_text()
+        # Issue 63, item 10: dp.gather's advice ("use gather=False") is no option of gather_all
+        assert "gather=False" not in message and "replica" not in message, message
+        assert "ranks disagree on the keys: rank 0 has ['x'], rank 1 has ['x', 'extra']" in message
+        assert "Return the same keys on every rank" in message
         assert "rank 0 (batch 2): {'x': Tensor(2, 3):float32}" in message
         assert (
             "rank 1 (batch 2): {'x': Tensor(2, 3):float32, 'extra': Tensor(2,):float32}" in message

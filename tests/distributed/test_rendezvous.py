@@ -113,6 +113,21 @@ def _silent_listener() -> Iterator[int]:
         yield server.getsockname()[1]
 
 
+@contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A port nobody listens on, and that nobody can take while the test runs.
+
+    A port from ``free_port()`` is free only for a moment, and a client that retries a
+    connection to a port in the ephemeral range can draw that port as its own source and
+    connect to itself (TCP self-connect): it then waits for an answer that never comes. A
+    socket bound but not listening refuses connections, and keeps the port out of both
+    ``bind`` and the kernel's choice of source ports for as long as it is open.
+    """
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        yield reserved.getsockname()[1]
+
+
 def _start(rank: int, port: int, timeout: float = 2.0) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", _ONE_RANK, str(timeout)],
@@ -125,11 +140,11 @@ def _start(rank: int, port: int, timeout: float = 2.0) -> subprocess.Popen[str]:
 
 def test_nothing_waits_past_the_timeout() -> None:
     """Each case alone would wait 30 minutes (or for ever) under torch's defaults."""
-    with _silent_listener() as held:
+    with _silent_listener() as held, _reserved_port() as nobody:
         start = time.monotonic()
         runs = {
             "rank 0 alone": _start(0, free_port()),
-            "rank 1, nobody there": _start(1, free_port()),
+            "rank 1, nobody there": _start(1, nobody),
             "rank 1, port held": _start(1, held),
             "rank 0, port held": _start(0, held),
         }
@@ -258,9 +273,14 @@ def test_a_rank_of_a_job_of_another_size_is_told_so() -> None:
     lines = [runs[1].communicate(timeout=60)[0].strip()]
     if "a job of 2 processes" in lines[0]:
         assert lines[0].startswith("RuntimeError | environment variable MASTER_PORT: rank 1 of 3 ")
-    else:  # rank 0 came second, and stopped its store as it left
+        assert "or this job's ranks were started with different WORLD_SIZE" in lines[0]
+    else:  # rank 0 came second, and stopped its store as it left (issue 63, item 7)
         lines.append(runs[0].communicate(timeout=60)[0].strip())
-        assert lines[1].startswith("RuntimeError | environment variable MASTER_PORT: rank 0 of 2 ")
-        assert "found another job there (a job of 3 processes)" in lines[1], lines
+        assert lines[1].startswith(
+            "RuntimeError | environment variable WORLD_SIZE: rank 0 has WORLD_SIZE=2, and "
+            "another rank of this job reached its store"
+        ), lines
+        assert "with WORLD_SIZE=3: expected the same WORLD_SIZE on every rank" in lines[1]
+        assert lines[0].startswith("StoreClosed | init_distributed: rank 1 of 3: the job's "), lines
     runs[0].kill()
     runs[0].wait()

@@ -26,17 +26,18 @@ from .test_launch import _process_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-# Two ranks in a ddp_session with a 3 s limit. Rank 1 stops itself (argv "stop") or sleeps
-# 10 s (argv "late"); rank 0 runs the collective (argv "gather_all", "all_reduce" or "ddp").
+# Two ranks in a ddp_session with a 3 s limit. One rank (argv[3], rank 1 unless told) stops
+# itself (argv "stop") or sleeps 10 s (argv "late"); the other runs the collective (argv
+# "gather_all", "all_reduce" or "ddp").
 _RANK = """
 import os, signal, sys, time
 import torch, torch.distributed as dist
 from dataparallel.distributed import ddp_session, gather_all
-how, what = sys.argv[1], sys.argv[2]
+how, what, slow = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
     with ddp_session(torch.nn.Linear(2, 1), backend="gloo", timeout=3) as (ddp, info):
         print("pid", os.getpid(), flush=True)
-        if info.rank == 1:
+        if info.rank == slow:
             time.sleep(1.0)  # a few heartbeats first
             if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -64,12 +65,13 @@ def _env(rank: int, port: int) -> dict[str, str]:
     )
 
 
-def _run(how: str, what: str) -> str:
-    """Rank 0's last line; every process is gone when it returns."""
+def _run(how: str, what: str, slow: int = 1) -> str:
+    """The last line of the rank that is not ``slow``; every process is gone when it
+    returns."""
     port = free_port()
     runs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RANK, how, what],
+            [sys.executable, "-c", _RANK, how, what, str(slow)],
             env=_env(rank, port),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # torch's C++ logs
@@ -79,7 +81,7 @@ def _run(how: str, what: str) -> str:
     ]
     try:
         began = time.monotonic()
-        line = runs[0].communicate(timeout=60)[0].strip().splitlines()[-1]
+        line = runs[1 - slow].communicate(timeout=60)[0].strip().splitlines()[-1]
         assert time.monotonic() - began < 30, line  # the 3 s limit, and a 2 s look
     finally:
         for run in runs:
@@ -100,6 +102,18 @@ def test_a_rank_that_stopped_is_named(what: str) -> None:
         r"DATAPARALLEL_DIST_TIMEOUT=seconds",
         line,
     ), line
+
+
+def test_a_stopped_store_host_is_named_within_the_limit() -> None:
+    """Issue 63, item 1: rank 0 (the store's host) stopped; rank 1's look at the heartbeats
+    waited forever in the connect to the stopped store (torch's client timeout does not
+    bound it). Every wait of the look is bounded: the line comes within seconds."""
+    line = _run("stop", "gather_all", slow=0)
+    assert line.startswith(
+        "TimeoutError | rank 1 of 2: a collective waited 3 s, the group's limit, and gave up: "
+        "the job's store at MASTER_ADDR:MASTER_PORT=127.0.0.1:"
+    ), line
+    assert "no longer answers either, so rank 0, which hosts it, has stopped answering" in line
 
 
 def test_a_rank_that_is_only_late_is_told_apart() -> None:
@@ -149,3 +163,30 @@ def test_a_stalled_worker_of_the_command_line_is_named_in_one_line() -> None:
         f"dataparallel (rank 0): error: rank 0 of 2: a collective waited 8 s, the group's limit, "
         f"and gave up: rank 1 (pid {stopped} on host "
     ), err
+
+
+def test_a_slow_worker_of_three_is_said_once() -> None:
+    """Issue 63, item 6: rank 2 of three only late (its heartbeats move): ranks 0 and 1 both
+    said it ("every rank still answers"), and the late rank's heartbeat, beating into the
+    store after rank 0 had ended, added 14 lines of torch's C++ log. Now the first rank to
+    give up says it, once, and a heartbeat stops quietly when the store's host has ended."""
+    script = (
+        "import sys; from dataparallel.app.launch import launch; "
+        "sys.exit(launch(sys.argv[1:], 3, module='tests.distributed._slow_worker'))"
+    )
+    args = ["train", "--strategy", "ddp", "--data", "random", "--devices", "cpu", "--epochs", "1"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args, "--no-progress"],
+        cwd=REPO,
+        env=child_env(DATAPARALLEL_DIST_TIMEOUT="3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 5, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert re.match(
+        r"dataparallel \(rank [01]\): error: rank [01] of 3: a collective waited 3 s, the "
+        r"group's limit, and gave up: every rank still answers",
+        done.stderr,
+    ), done.stderr

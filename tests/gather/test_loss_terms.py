@@ -301,6 +301,9 @@ def test_explain_says_how_scalar_outputs_are_gathered() -> None:
     assert any(n.startswith("scalar outputs: ") and "re-formed" in n for n in notes)
     weighted = dp.DataParallel(Segmenter(), ["cpu", "cpu"], scalar_weights=lambda a, kw: 1)
     assert not weighted.explain(torch.randn(4, 3, 2, 2), torch.zeros(4, 2, 2)).notes
+    # a call of floats alone marks nothing: its scalars are chunk-size means, no note
+    plain_call = dp.DataParallel(Segmenter(), ["cpu", "cpu"])
+    assert not plain_call.explain(torch.randn(4, 3, 2, 2), torch.rand(4, 2, 2)).notes
 
 
 class HandTokenMean(nn.Module):

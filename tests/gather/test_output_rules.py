@@ -130,3 +130,37 @@ def test_rules_apply_the_same_on_one_device_as_on_two(devices: list[str]) -> Non
     torch.testing.assert_close(out["y"], x + 1)
     assert out["n"] == 4
     assert out["two"] == [2] * len(devices)
+
+
+class TimeMajorHead(nn.Module):
+    """CRNN's output (meijieru/crnn.pytorch): per-frame class scores, time-major ``(T, B, C)``."""
+
+    def __init__(self, frames: int) -> None:
+        super().__init__()
+        self.frames = frames
+        self.lin = nn.Linear(3, frames * 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(x.shape[0], self.frames, 6).transpose(0, 1)
+
+
+def test_a_time_major_output_whose_length_is_the_chunk_size_is_said() -> None:
+    """(T, B, C) with T == 5 on chunks of 5: both readings fit; torch's (dim 0) is taken, with
+    a warning naming the path and the fix; check= names the difference and the same fix."""
+    torch.manual_seed(0)
+    head, x = TimeMajorHead(5), torch.randn(10, 3)
+    want = head(x)  # (5, 10, 6)
+    fix = r"output_rules=\{'output': 1\}"
+    with pytest.warns(
+        UserWarning, match=rf"output: every replica returned shape \(5, 5, 6\).*{fix}"
+    ):
+        assert dp.DataParallel(head, CPU2)(x).shape == (10, 5, 6)
+    torch.testing.assert_close(dp.DataParallel(head, CPU2, output_rules={"output": 1})(x), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # silenced by the rule, and other T fit one reading
+        dp.DataParallel(head, CPU2, output_rules={"output": 0})(x)
+        other = TimeMajorHead(4)
+        torch.testing.assert_close(dp.DataParallel(other, CPU2)(x), other(x))
+    checked = dp.DataParallel(head, CPU2, check=True)
+    with pytest.warns(dp.OneDeviceDifference, match=rf"output: shape \(10, 5, 6\).*{fix}"):
+        checked(x)

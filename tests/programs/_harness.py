@@ -19,14 +19,22 @@ sizes, a few steps on synthetic data of the right shapes. It defines:
 
 ``check(program, devices)`` runs the same steps on a copy of the model through the wrapper
 and asserts that every figure of every step, and the model's parameters, buffers and written
-attributes after the last step, are the one-device run's (relative to their magnitude).
+attributes after the last step, are the one-device run's (relative to their magnitude). With
+``one_device="raise"`` the wrappers are built under ``DATAPARALLEL_CHECK=raise``, so the
+library's own comparison (``check=``) runs too and must find nothing, and must leave the run as
+it is without it; ``differences(program, devices)`` returns what ``check=True`` reports of a
+program known to differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,7 +46,7 @@ from torch import nn
 import dataparallel as dp
 from _close import assert_close_rel
 
-__all__ = ["LISTS", "check"]
+__all__ = ["LISTS", "check", "differences"]
 
 LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
 
@@ -57,12 +65,39 @@ def _run(program: ModuleType, model: nn.Module, run: Any) -> list[dict[str, torc
     return [program.step(model, run, batch, opts, memo) for batch in program.batches()]
 
 
-def check(program: ModuleType, devices: list[str]) -> None:
-    """The program through ``dp.DataParallel`` on ``devices`` is its one-device run."""
+@contextlib.contextmanager
+def _checking(mode: str | None) -> Iterator[None]:
+    """``DATAPARALLEL_CHECK=mode`` while the wrappers are built and run (a program's ``wrap``
+    and a trainer's own wrapping alike); a give-up of the check is an error here."""
+    if mode is None:
+        yield
+        return
+    saved = os.environ.get("DATAPARALLEL_CHECK")
+    os.environ["DATAPARALLEL_CHECK"] = mode
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        if saved is None:
+            del os.environ["DATAPARALLEL_CHECK"]
+        else:
+            os.environ["DATAPARALLEL_CHECK"] = saved
+    gave_up = [
+        str(w.message)
+        for w in seen
+        if str(w.message).startswith("check=: ") and w.category is not dp.OneDeviceDifference
+    ]
+    assert not gave_up, f"check= checked nothing: {gave_up[0]}"
+    for w in seen:  # the others, as they would have been shown
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def check(program: ModuleType, devices: list[str], *, one_device: str | None = None) -> None:
+    """The program through ``dp.DataParallel`` on ``devices`` is its one-device run; with
+    ``one_device``, the wrappers' ``check=`` runs too (``_checking``)."""
     ref = program.build()
     model = copy.deepcopy(ref)
-    wrap = getattr(program, "wrap", None)
-    wrapper = wrap(model, devices) if wrap is not None else dp.DataParallel(model, devices)
     plain = getattr(program, "plain", None)
     one = ref if plain is None else plain(ref)
     if hasattr(program, "run_all"):
@@ -70,10 +105,12 @@ def check(program: ModuleType, devices: list[str]) -> None:
             torch.manual_seed(1234)
             want = [program.run_all(ref, one, Path(folder, "one"))]
             torch.manual_seed(1234)
-            got = [program.run_all(model, wrapper, Path(folder, "par"))]
+            with _checking(one_device):
+                got = [program.run_all(model, _wrap(program, model, devices), Path(folder, "par"))]
     else:
         want = _run(program, ref, one)
-        got = _run(program, model, wrapper)
+        with _checking(one_device):
+            got = _run(program, model, _wrap(program, model, devices))
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.keys() == b.keys(), f"step {i}: {sorted(a)} != {sorted(b)}"
         for key in b:
@@ -85,6 +122,28 @@ def check(program: ModuleType, devices: list[str]) -> None:
     for path in getattr(program, "ATTRIBUTES", ()):
         a, b = _attribute(model, path), _attribute(ref, path)
         assert a == b, f"after the steps: {path} is {a!r}, one device's {b!r}"
+
+
+def _wrap(program: ModuleType, model: nn.Module, devices: list[str]) -> Any:
+    wrap = getattr(program, "wrap", None)
+    return wrap(model, devices) if wrap is not None else dp.DataParallel(model, devices)
+
+
+def differences(program: ModuleType, devices: list[str]) -> list[str]:
+    """What ``check=True`` reports (``dp.OneDeviceDifference``) over the program's steps."""
+    model = program.build()
+    saved = os.environ.get("DATAPARALLEL_CHECK")
+    os.environ["DATAPARALLEL_CHECK"] = "1"
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _run(program, model, _wrap(program, model, devices))
+    finally:
+        if saved is None:
+            del os.environ["DATAPARALLEL_CHECK"]
+        else:
+            os.environ["DATAPARALLEL_CHECK"] = saved
+    return [str(w.message) for w in seen if issubclass(w.category, dp.OneDeviceDifference)]
 
 
 def _same(got: Any, want: Any, where: str) -> None:

@@ -232,3 +232,26 @@ def test_compile_sees_hooks_changed_after_the_first_call(kind: str, devices: lis
             handle.remove()
             net[0].register_forward_hook(lambda m, i, o: o - 3.0)
         assert_close_rel(wrapper(x), oracle(x), msg="after the swap")
+
+
+@pytest.mark.parametrize("devices", [["cpu"], CPU2], ids=str)
+def test_a_global_hook_registered_after_the_first_call_runs(devices: list[str]) -> None:
+    """Issue 60, item 9: a global forward hook (``register_module_forward_hook``) registered
+    after the first calls never ran under ``compile=`` (off by 0.648): dynamo guards on
+    neither kind of hook. Every list recompiles on one added, and on its removal."""
+    torch._dynamo.reset()
+    model = _model()
+    wrapper = dp.DataParallel(model, devices, compile={"backend": "eager"})
+    x = torch.randn(6, 4)
+    assert_close_rel(wrapper(x), model(x))
+
+    def double(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * 2 if mod is model[-1] or type(mod) is type(model[-1]) else out
+
+    handle = nn.modules.module.register_module_forward_hook(double)
+    try:
+        want = model(x)
+        assert_close_rel(wrapper(x), want, msg="after the global hook was added")
+    finally:
+        handle.remove()
+    assert_close_rel(wrapper(x), model(x), msg="after it was removed")

@@ -15,6 +15,8 @@ writes is replica 0's writes, which here equal one device's (each replica counts
 
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
 import functools
 import types
@@ -44,8 +46,26 @@ KINDS = (
     "object",
     "closure",
     "partial",
+    # issue 60: every container kind of the standard library
+    "deque",
+    "userlist",
+    "userdict",
+    "chainmap",
+    "argns",
 )
-MUTABLE = ("list", "dict", "odict", "namespace", "dataclass", "object")
+MUTABLE = (
+    "list",
+    "dict",
+    "odict",
+    "namespace",
+    "dataclass",
+    "object",
+    "deque",
+    "userlist",
+    "userdict",
+    "chainmap",
+    "argns",
+)
 ROUTES = ("call", "hook", "prehook", "instance_forward", "global", "global_call")
 CHANGES = ("none", "retarget", "swap_hook", "reassign", "fill", "retype", "slot")
 
@@ -107,14 +127,19 @@ def wrap(kind: str, inner: Any) -> Any:
         "object": lambda: Plain(inner),
         "closure": lambda: _closure(inner),
         "partial": lambda: functools.partial(_ident, inner),
+        "deque": lambda: collections.deque([0, inner]),
+        "userlist": lambda: collections.UserList([0, inner]),
+        "userdict": lambda: collections.UserDict(a=0, k=inner),
+        "chainmap": lambda: collections.ChainMap({"a": 0, "k": inner}),
+        "argns": lambda: argparse.Namespace(k=inner),
     }[kind]()
 
 
 def unwrap(kind: str, holder: Any) -> Any:
     """What a holder of ``kind`` holds (the way user code reads it)."""
-    if kind in ("list", "tuple"):
+    if kind in ("list", "tuple", "deque", "userlist"):
         return holder[1]
-    if kind in ("dict", "odict"):
+    if kind in ("dict", "odict", "userdict", "chainmap"):
         return holder["k"]
     if kind == "namedtuple":
         return holder.b
@@ -127,9 +152,9 @@ def unwrap(kind: str, holder: Any) -> Any:
 
 def retarget(kind: str, holder: Any, new: Any) -> None:
     """Point a mutable holder at ``new`` in place."""
-    if kind == "list":
+    if kind in ("list", "deque", "userlist"):
         holder[1] = new
-    elif kind in ("dict", "odict"):
+    elif kind in ("dict", "odict", "userdict", "chainmap"):
         holder["k"] = new
     else:
         holder.k = new
@@ -316,6 +341,12 @@ FOUND = [
     pytest.param(("object", "partial"), "prehook", "fill", id="object-filled-later"),
     pytest.param(("object",), "hook", "retype", id="holder-class-swapped"),
     pytest.param(("object", "dict"), "call", "slot", id="holder-slot-written"),
+    # issue 60: standard-library containers filled after the first calls
+    pytest.param(("deque", "closure"), "hook", "fill", id="closure-deque-filled-later"),
+    pytest.param(("userlist",), "call", "fill", id="userlist-filled-later"),
+    pytest.param(("userdict",), "call", "fill", id="userdict-filled-later"),
+    pytest.param(("chainmap",), "prehook", "fill", id="chainmap-filled-later"),
+    pytest.param(("argns",), "call", "fill", id="argparse-namespace-filled-later"),
 ]
 
 

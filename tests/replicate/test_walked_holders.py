@@ -124,7 +124,8 @@ class Registry:
     search looks into before it gets there."""
 
     def __init__(self, size: int, owner: nn.Module) -> None:
-        self.entries: list[dict[str, Any]] = [{"i": i} for i in range(size)]
+        # (entries that hold a holder of their own: plain records of atoms are data, skipped)
+        self.entries: list[dict[str, Any]] = [{"i": [i]} for i in range(size)]
         self.entries[-1]["owner"] = owner
 
 

@@ -5,8 +5,9 @@ arguments (the parser is ``_parser``'s), hands the command to its implementation
 (:mod:`dataparallel.app.demo.train` for ``train``, ``_commands`` for ``explain`` and ``bench``)
 and turns every way a run can end into one line on stderr and a conventional exit code. Exit
 codes: 0 done; 2 bad usage or input (``dataparallel: error: ...``, found before the first
-epoch); 3 training stopped (the loss was no longer finite); 130 interrupted (Ctrl-C; the last
-complete checkpoint is kept); 5 (a ddp worker) a collective waited past its limit: the line names
+epoch); 3 training stopped (the loss was no longer finite, or the disk could not hold a
+checkpoint); 130 interrupted (Ctrl-C, to the launcher or one worker; the last complete checkpoint
+is kept); 5 (a ddp worker) a collective waited past its limit: the line names
 the ranks that stopped answering; 141 the reader of the output went away (``... | head``), ending
 quietly as a command killed by ``SIGPIPE`` does.
 """

@@ -110,7 +110,8 @@ def launch(
 
     Raises:
         ValueError: a bad count, or several nodes without a shared endpoint and id.
-        KeyboardInterrupt: Ctrl-C (SIGINT), after the workers were stopped.
+        KeyboardInterrupt: Ctrl-C (SIGINT) to this process, or to one worker alone (the
+            message names it), after the workers were stopped.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -224,6 +225,12 @@ def _report_failure(exc: Exception) -> int:
     rank = min(causes, key=lambda r: (causes[r].timestamp, causes[r].exitcode == -signal.SIGTERM))
     failure = causes[rank]
     code = failure.exitcode
+    if code == 130:  # Ctrl-C to that worker alone (all of them: the agent's SignalException)
+        # The worker left the saying to its launcher; said as the launcher's own Ctrl-C is.
+        raise KeyboardInterrupt(
+            f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) was "
+            f"interrupted (SIGINT), and the other workers were stopped"
+        )
     if code in QUIET_EXIT_CODES:
         return int(code)
     where = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
@@ -288,6 +295,8 @@ def peer_gone(exc: BaseException) -> bool:
     kinds: tuple[type[BaseException], ...] = (RuntimeError,)
     if hasattr(dist, "DistError"):
         kinds = (RuntimeError, dist.DistError)
+    if getattr(exc, "peer_gone", False):  # (the rendezvous's StoreClosed)
+        return True
     return isinstance(exc, kinds) and any(text in str(exc) for text in _PEER_GONE)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import io
 import numbers
 import pickle
+import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -201,15 +202,21 @@ def gather_all(
         output_rules: ``{path: rule}`` as in ``dp.gather`` (``"sum"``, ``"mean"``, ``"same"``,
             ``"list"``, a batch dimension...), e.g. ``{"output['total']": "sum"}``.
 
+    Returns:
+        The ranks' outputs gathered into one, the same on every rank; without a process group,
+        ``obj`` gathered as one rank's (its tensors on ``device``).
+
     Raises:
         ValueError: the ranks' outputs do not fit together (keys, lengths or types differ);
             the message lists every rank's structure and shapes.
         TimeoutError: the exchange waited past the group's limit; the message names the
             ranks that stopped answering, and the job's store.
 
-    >>> import torch
-    >>> gather_all({"pred": torch.tensor([1, 2]), "names": ["a", "b"]})  # one process
-    {'pred': tensor([1, 2]), 'names': ['a', 'b']}
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> out = {"pred": torch.tensor([1, 2]), "names": ["a", "b"]}
+        >>> dp.gather_all(out, device="cpu")  # one process: its own outputs
+        {'pred': tensor([1, 2]), 'names': ['a', 'b']}
     """
     here = local_device() if device is None else resolve_device(device, where="device")
     local_size = _local_batch_size(obj, dim) if batch_size is None else int(batch_size)
@@ -251,6 +258,21 @@ def gather_all(
             for r, out in enumerate(outputs)
         )
         raise ValueError(
-            f"gather_all: the ranks' outputs do not fit together: {exc}\nper rank:\n{pictures}\n"
-            f"make every rank return the same structure (same keys, types and nesting)"
+            f"gather_all: the ranks' outputs do not fit together: {_rank_words(str(exc))}\n"
+            f"per rank:\n{pictures}\nmake every rank return the same structure (same keys, "
+            f"types and nesting)"
         ) from exc
+
+
+# dp.gather's advice that gather_all has no use for: it has no gather=False.
+_NO_GATHER_FALSE = re.compile(
+    r",? or use gather=False( to handle the per-replica outputs yourself)?"
+)
+
+
+def _rank_words(text: str) -> str:
+    """``dp.gather``'s message about replicas, said of ranks: each replica's outputs here are a
+    rank's, and its way out, ``gather=False``, is an option ``gather_all`` does not have."""
+    text = _NO_GATHER_FALSE.sub("", text)
+    text = text.replace("Make forward return", "Return")
+    return re.sub(r"\breplica(s?)\b", r"rank\1", text)

@@ -61,6 +61,14 @@ class DistInfo:
         device: the device this process computes on.
         backend: ``"nccl"`` or ``"gloo"`` (or whatever an existing group uses); ``None`` when
             running as a single process without a process group.
+
+    A record ``init_distributed`` and ``ddp_session`` return, not one to build.
+
+    Example:
+        >>> import dataparallel as dp
+        >>> info = dp.init_distributed()  # no torchrun variables: one process, no group
+        >>> info.rank, info.local_rank, info.world_size, info.backend
+        (0, 0, 1, None)
     """
 
     rank: int
@@ -129,6 +137,13 @@ def init_distributed(
         ValueError: a variable is not an integer, ranks are out of range, ``MASTER_PORT`` is
             not a port number, ``MASTER_ADDR`` does not resolve, or ``timeout`` is not positive.
         TimeoutError: the other ranks did not all arrive within ``timeout``.
+
+    Example:
+        >>> import dataparallel as dp
+        >>> info = dp.init_distributed()  # run by plain python: rank 0 of 1, no group
+        >>> info.rank, info.world_size, info.backend
+        (0, 1, None)
+        >>> dp.destroy_distributed()  # (a no-op here; under torchrun, at the end of the job)
     """
     if dist.is_available() and dist.is_initialized():
         used = dist.get_backend()
@@ -184,6 +199,16 @@ def destroy_distributed(*, barrier: bool = True) -> None:
     Args:
         barrier: wait for every rank first (on a normal exit); pass ``False`` after an error,
             when a peer may be gone.
+
+    Raises:
+        RuntimeError: the barrier failed (torch's ``DistBackendError``: a peer is gone) or
+            passed the group's limit; the group is destroyed all the same.
+
+    Example:
+        >>> import torch.distributed as dist, dataparallel as dp
+        >>> dp.destroy_distributed()  # no process group: nothing to tear down, no error
+        >>> dist.is_initialized()
+        False
     """
     _liveness.stop()
     if not (dist.is_available() and dist.is_initialized()):
@@ -254,7 +279,9 @@ def ddp_session(
     Calls :func:`init_distributed`, moves ``module`` to this rank's device, wraps it in DDP
     (``device_ids=[local_rank]`` on CUDA, ``None`` on the CPU) and yields ``(ddp_module, info)``.
     On exit the process group is destroyed (:func:`destroy_distributed`: after a barrier on a
-    normal exit, at once after an error), so a failed rank never leaves a group behind. Run as
+    normal exit, at once after an error), so a failed rank never leaves a group behind. A
+    session inside another shares the outer one's group and leaves it up on exit: the outer
+    session destroys it. Run as
     a single process (no torchrun variables), it makes a private one-process group, so the same
     script also runs with plain ``python``.
 
@@ -287,8 +314,65 @@ def ddp_session(
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
     Yields:
-        ``(ddp_module, info)``.
+        ``(ddp_module, info)``: the module under DDP, and this process's :class:`DistInfo`.
+
+    Raises:
+        RuntimeError, ValueError, TimeoutError: as :func:`init_distributed` raises them; an
+            error inside the block propagates after the group is destroyed.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> with dp.ddp_session(torch.nn.Linear(3, 1), backend="gloo") as (ddp, info):
+        ...     ddp(torch.randn(4, 3)).sum().backward()  # gradients all-reduced over ranks
+        >>> info.world_size, info.backend  # plain python: a private one-process group
+        (1, 'gloo')
     """
+    if _OPEN_SESSIONS[0] and dist.is_available() and dist.is_initialized():
+        # Inside another session: share its group, and leave its teardown to it.
+        with _nested_session(module, ddp_kwargs) as shared:
+            yield shared
+        return
+    _OPEN_SESSIONS[0] += 1
+    try:
+        with _own_session(module, backend, timeout, ddp_kwargs) as own:
+            yield own
+    finally:
+        _OPEN_SESSIONS[0] -= 1
+
+
+#: How many ``ddp_session`` blocks that own their group are open in this process (0 or 1).
+_OPEN_SESSIONS = [0]
+
+
+@contextmanager
+def _nested_session(
+    module: torch.nn.Module, ddp_kwargs: dict[str, Any]
+) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
+    """A session inside another: DDP over the outer session's group, which stays up after it
+    (destroying it, as a session of its own does, left the outer one gathering alone)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    info = init_distributed()  # the outer session's group, as it is
+    module.to(info.device)
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    try:
+        yield DistributedDataParallel(module, device_ids=device_ids, **ddp_kwargs), info
+    except BaseException as exc:
+        timed_out = _liveness.collective_timeout(exc)
+        if timed_out is not None:
+            raise timed_out from None
+        raise
+
+
+@contextmanager
+def _own_session(
+    module: torch.nn.Module,
+    backend: str | None,
+    timeout: float | datetime.timedelta | None,
+    ddp_kwargs: dict[str, Any],
+) -> Iterator[tuple[DistributedDataParallel, DistInfo]]:
+    """A session that owns its group: made (or taken from ``init_distributed``) here, and
+    destroyed on the way out, whatever happened."""
     from torch.nn.parallel import DistributedDataParallel
 
     try:

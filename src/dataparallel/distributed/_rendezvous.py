@@ -212,6 +212,12 @@ def _loopback_listener(addr: str, port: int) -> socket.socket | None:
     family, kind, proto, _, sockaddr = infos[0]
     listener = socket.socket(family, kind, proto)
     try:
+        # As torch's own store listens: a port whose last job's connections linger in
+        # TIME_WAIT is free to bind again at once (and those connections, which inherit the
+        # option, leave it free for a plain torch store too). A program that still listens
+        # there still holds it: SO_REUSEADDR never shares a listening port on Linux.
+        if os.name != "nt":  # (on Windows the option would share a port another holds)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(sockaddr)
         listener.listen()
     except OSError as exc:
@@ -253,7 +259,9 @@ def _check_own_job(store: dist.Store, where: str, rank: int, world_size: int) ->
     would wait in that job's gloo rendezvous past their limit, or join its mesh and break it.
     Every rank that joins a store counts itself in under its rank (and torchrun's restart
     attempt), and the first to join sets the job's size: a rank that is the second of its
-    number, or finds another size, is in the wrong job's store.
+    number, or finds another size, is in the wrong job's store, or its job's ranks disagree on
+    ``WORLD_SIZE``: rank 0, which hosts the store, knows it is the latter, and a rank that finds
+    another size leaves a word in the store for the ranks already waiting (:func:`_refusals`).
 
     Raises:
         RuntimeError: naming the endpoint, what was found there, and the fix.
@@ -264,8 +272,23 @@ def _check_own_job(store: dist.Store, where: str, rank: int, world_size: int) ->
     joined = store.add(f"{prefix}/joined/rank-{rank}", 1)
     if size == str(world_size) and joined == 1:
         return
+    if size != str(world_size) and joined == 1:
+        # Told to the rank already waiting in torch's rendezvous, which reads it when its
+        # wait ends (see _refusals).
+        count = store.add(f"{prefix}/refused", 1)
+        store.set(f"{prefix}/refused/{count}", f"rank {rank} has WORLD_SIZE={world_size}")
+        if rank == 0 and not _agent_hosts_store():
+            # Rank 0 hosts the store: the rank that set the size is of this very job.
+            raise RuntimeError(
+                f"environment variable WORLD_SIZE: rank 0 has WORLD_SIZE={world_size}, and "
+                f"another rank of this job reached its store at MASTER_ADDR:MASTER_PORT="
+                f"{where} with WORLD_SIZE={size}: expected the same WORLD_SIZE on every rank; "
+                f"start every rank with the same WORLD_SIZE (torchrun sets it from --nnodes "
+                f"and --nproc-per-node)"
+            )
     found = (
-        f"a job of {size} processes"
+        f"a job of {size} processes), or this job's ranks were started with different "
+        f"WORLD_SIZE (this rank has {world_size}"
         if size != str(world_size)
         else f"its rank {rank} has already joined"
     )
@@ -304,6 +327,10 @@ def _job_store(
             is_master=master,
             timeout=timeout,
             multi_tenant=True,  # as env:// makes it: torch's own env:// later reuses it
+            # The ranks are awaited in the rendezvous, after _check_own_job: a rank started
+            # with another WORLD_SIZE is then named, where the host's count of clients
+            # only timed out ("2/3 clients joined").
+            wait_for_workers=False,
             master_listen_fd=None if listener is None else listener.fileno(),
         )
         _check_own_job(store, f"{addr}:{port}", rank, world_size)
@@ -388,12 +415,62 @@ def init_process_group(
         _liveness.start(addr, port, rank, world_size, prefix, seconds)
     except (dist.DistError, RuntimeError) as exc:
         text = str(exc)
+        refused = _refusals((addr, port, rank, world_size), where)
+        if refused is not None:
+            raise RuntimeError(refused) from None
+        if any(words in text for words in _STORE_CLOSED):
+            raise StoreClosed(
+                f"init_distributed: rank {rank} of {world_size}: the job's store at "
+                f"MASTER_ADDR:MASTER_PORT={where} closed while this rank waited for the others "
+                f"({_first_line(exc)}): rank 0, which hosts it, has ended; its own error says "
+                f"why (such as another WORLD_SIZE than this rank's {world_size}); expected "
+                f"every rank to meet there; start every rank with the same MASTER_ADDR, "
+                f"MASTER_PORT and WORLD_SIZE"
+            ) from None
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise RuntimeError(
                 f"environment variable MASTER_PORT: rank 0 cannot listen on {where}: expected a "
                 f"free port, found it in use by another program; choose a free port (torchrun "
                 f"--master-port), or let `dataparallel train --strategy ddp` pick one"
             ) from None
-        if "timed out" in text.lower() or "clients joined" in text:
+        if any(words in text.lower() for words in ("timed out", "wait timeout")) or (
+            "clients joined" in text
+        ):
             raise _timed_out(where, rank, world_size, seconds, _first_line(exc)) from None
         raise
+
+
+# What torch says when the store's host went away during the rendezvous.
+_STORE_CLOSED = ("Failed to recv", "Connection reset by peer", "Broken pipe", "Connection closed")
+
+
+class StoreClosed(RuntimeError):
+    """The job's store closed while this rank met the others: its host (rank 0) has ended,
+    and says why itself; a launched worker ends quietly on it (``launch.peer_gone``)."""
+
+    peer_gone = True
+
+
+def _refusals(key: tuple[str, int, int, int], where: str) -> str | None:
+    """What ranks that refused to join this rank's job wrote in its store (their different
+    ``WORLD_SIZE``), read once this rank's wait in torch's rendezvous has ended; ``None``
+    when none did, or the store no longer answers."""
+    entry = _STORES.get(key)
+    if entry is None:
+        return None
+    store, rank, world_size = entry[0], key[2], key[3]
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"dataparallel/attempt-{attempt}/refused"
+    try:
+        count = store.add(prefix, 0)
+        found = [store.get(f"{prefix}/{n}").decode() for n in range(1, count + 1)]
+    except Exception:  # the store's host has ended too: nothing to read
+        return None
+    if not found:
+        return None
+    return (
+        f"environment variable WORLD_SIZE: rank {rank} has WORLD_SIZE={world_size}, and "
+        f"{', '.join(found)} (they reached the job's store at MASTER_ADDR:MASTER_PORT={where} "
+        f"and left): expected the same WORLD_SIZE on every rank; start every rank with the "
+        f"same WORLD_SIZE (torchrun sets it from --nnodes and --nproc-per-node)"
+    )

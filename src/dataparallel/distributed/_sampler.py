@@ -37,8 +37,14 @@ class ShardedSampler(Sampler[int]):
         rank: this rank; ``None`` reads the process group (or ``RANK``, else 0).
         world_size: number of ranks; ``None`` reads the process group (or ``WORLD_SIZE``, else 1).
 
-    >>> list(ShardedSampler(range(5), shuffle=False, rank=0, world_size=2))
-    [0, 1, 2]
+    Raises:
+        ValueError: ``dataset`` has no ``len()`` (an ``IterableDataset``), or ``rank`` or
+            ``world_size`` is not an int, or out of range.
+
+    Example:
+        >>> import dataparallel as dp
+        >>> [list(dp.ShardedSampler(range(5), shuffle=False, rank=r, world_size=2)) for r in (0, 1)]
+        [[0, 1, 2], [3, 4]]
     """
 
     def __init__(

@@ -47,9 +47,15 @@ def shard(
     Returns:
         This rank's chunk, or a tuple of chunks when ``batch`` is a tuple.
 
-    >>> import torch
-    >>> shard(torch.arange(5), rank=1, world_size=2, device="cpu")
-    tensor([3, 4])
+    Raises:
+        TypeError: an unknown option.
+        ValueError: ``rank`` or ``world_size`` out of range, a bad device spec or option, or a
+            batch the rules cannot split (as ``dp.scatter`` raises them).
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> dp.shard(torch.arange(5), rank=1, world_size=2, device="cpu")
+        tensor([3, 4])
     """
     from dataparallel.plan import build_plan, check_options
     from dataparallel.scatter import take

@@ -33,7 +33,7 @@ from torch._tensor import _convert
 from torch.overrides import get_default_nowrap_functions
 from torch.utils._pytree import tree_leaves
 
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
+from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
 
 __all__ = [
     "COUNT_KEYWORD",
@@ -309,7 +309,7 @@ def gather_counted(values: list[Any], path: Any, ctx: Any, batched: Any) -> Any:
                 v.shape[ctx.dim % v.ndim] == n for v, n in zip(plain, ctx.sizes, strict=True)
             ):
                 return batched(plain)
-            moved = [v.to(target) for v in plain]
+            moved = [move(v, target) for v in plain]
             if not part and not any(v.requires_grad for v in moved) and arrays_equal(moved):
                 return moved[0]
             return sum_all(moved)
@@ -322,7 +322,7 @@ def gather_counted(values: list[Any], path: Any, ctx: Any, batched: Any) -> Any:
     if tensors:
         moved = [torch.as_tensor(v, device=target) for v in plain]
         if not part and not any(v.requires_grad for v in moved) and arrays_equal(moved):
-            return plain[0].to(target) if isinstance(plain[0], torch.Tensor) else moved[0]
+            return move(plain[0], target) if isinstance(plain[0], torch.Tensor) else moved[0]
         return sum_all(moved)
     if all_equal(plain):
         return plain[0]

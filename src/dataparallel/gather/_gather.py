@@ -2,7 +2,7 @@
 
 ``torch.nn.DataParallel`` concatenates every tensor it finds, turns 0-dim losses into a vector
 and fails on strings, dataclasses and lists of boxes. ``gather`` reads each output by what it
-is, under the guide's gather rules (docs/guide.md): batched tensors are concatenated, losses
+is, under the guide's "The gather rules, in short": batched tensors are concatenated, losses
 averaged by chunk size, per-sample lists joined, structures rebuilt with their own type, and
 everything else kept once when the replicas agree.
 
@@ -200,15 +200,17 @@ def gather(
         One output with the replicas' structure and types.
 
     Raises:
+        TypeError: ``outputs`` is not a list of per-replica outputs.
         ValueError: a bad argument, replicas that disagree on structure, or tensors that can
             neither be told equal nor concatenated. The message names the output path.
 
-    >>> import torch
-    >>> parts = [{"y": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": 10},
-    ...          {"y": torch.zeros(1, 3), "loss": torch.tensor(4.0), "n": 10}]
-    >>> out = gather(parts, "cpu")
-    >>> out["y"].shape, out["loss"], out["n"]
-    (torch.Size([3, 3]), tensor(2.), 10)
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> parts = [{"y": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": 10},
+        ...          {"y": torch.zeros(1, 3), "loss": torch.tensor(4.0), "n": 10}]
+        >>> out = dp.gather(parts, "cpu")
+        >>> out["y"].shape, out["loss"], out["n"]
+        (torch.Size([3, 3]), tensor(2.), 10)
     """
     scalars = check_scalars(scalars)
     if isinstance(outputs, (str, bytes, Mapping, torch.Tensor, np.ndarray)) or not isinstance(

@@ -9,7 +9,9 @@ Two kinds of outputs look alike across replicas while meaning different things:
   states (``nn.RNNBase``) is a state where an RNN returns one (the second item of a pair whose
   first is a 3-d tensor, or an item of the pair there: ``(output, (h_n, c_n))``); anywhere else
   (a ``Linear`` after a batch-first GRU) it is batched on dim 0, torch's reading, with a
-  warning naming the path and the ``output_rules`` fix;
+  warning naming the path and the ``output_rules`` fix; so is any 3-d output whose dims 0 and 1
+  both equal the chunk size (a time-major ``(T, batch, C)`` with ``T`` the chunk size, CRNN's),
+  with a warning;
 - an integer scalar may be a count (``int(x.shape[0])``, ``(x > 0).sum()``: one device returns
   the sum over the chunks) or a constant (``num_classes``: one device returns it once).
 
@@ -242,7 +244,11 @@ def hidden_state(values: list[Any], path: Any, ctx: Any) -> bool:
     if not all(lead == size for size in ctx.sizes):
         return state_shape or not arrays_equal(values)  # dim 0 is not batched: decided
     if not state_shape:
-        return False  # an even split of chunks of `lead`: torch's reading, batch on dim 0
+        # an even split of chunks of `lead`: torch's reading, batch on dim 0, said where a
+        # time-major output (T, batch, C) with T the chunk size fits as well (CRNN's)
+        if lead > 1 and not arrays_equal(values):
+            _warn_time_major(values, path, ctx)
+        return False
     role = None if ctx.roles is None else ctx.roles.get(path)
     if role == "state":
         return True
@@ -262,6 +268,21 @@ def _warn_tie(values: list[Any], path: Any, ctx: Any) -> None:
         f"does, giving {total}. If it is an RNN state (batch on dim 1), pass "
         f"output_rules={{{where!r}: 1}}; output_rules={{{where!r}: 0}} says it is batched on "
         f"dim 0 and silences this"
+    )
+
+
+def _warn_time_major(values: list[Any], path: Any, ctx: Any) -> None:
+    where = fmt(path)
+    shape = tuple(values[0].shape)
+    total = sum(ctx.sizes)
+    warn_user(
+        f"{where}: every replica returned shape {shape}, whose dims 0 and 1 both equal the "
+        f"chunk size ({shape[0]}): read as batched on dim 0, as torch does, giving "
+        f"{(total, *shape[1:])}; a time-major output (T, batch, C), such as CRNN's, is "
+        f"batched on dim 1 and gives {(shape[0], total, shape[2])}. If its batch is on dim 1, "
+        f"pass output_rules={{{where!r}: 1}} (or take the per-device outputs with "
+        f"gather=False); output_rules={{{where!r}: 0}} says it is batched on dim 0 and "
+        f"silences this"
     )
 
 

@@ -5,8 +5,8 @@ The kinds of values and the rebuild functions are :mod:`dataparallel._common.kin
 lives here: the chain of keys that names an output (``output['attn']``), formatted only when a
 message needs it; :func:`to_target`, which moves a single replica's output to the target device,
 reusing every container whose contents did not move; :func:`rebuild_at`, a rebuild whose error
-names the output path; and the equality checks and sums of the guide's gather rules
-(docs/guide.md).
+names the output path; and the equality checks and sums of the guide's "The gather rules, in
+short".
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "fmt",
     "fmt_attributes",
     "is_loss_path",
+    "move",
     "rebuild_at",
     "sum_all",
     "to_target",
@@ -96,11 +97,21 @@ def fmt_attributes(path: Path) -> str | None:
     return "output" + "".join(reversed(parts)) if found else None
 
 
+def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
+    """``t`` on ``target``: itself where it is there already, else moved by torch's own
+    ``Tensor.to``, never a subclass's Python ``to`` (BigGAN's ``Distribution.to`` reads
+    attributes its slices lack), as ``torch._C._gather`` moves it."""
+    return t if t.device == target else _TO(t, target)
+
+
+_TO = torch.Tensor.to
+
+
 def to_target(obj: Any, target: torch.device, path: Path) -> Any:
     """``obj`` with every tensor in it moved to ``target``; unchanged containers are reused."""
     kind = kind_of(obj)
     if kind == TENSOR:
-        return obj.to(target)
+        return move(obj, target)
     if kind == NAMEDTUPLE and is_packed(obj):
         return obj.to(target)  # keeps batch_sizes on the CPU, as torch requires
     if kind in (LIST, TUPLE, NAMEDTUPLE):

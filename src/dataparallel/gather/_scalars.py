@@ -4,7 +4,7 @@ Losses are averaged by chunk size (so a mean-reduced loss equals the one-device 
 or stacked, as ``scalars`` says; booleans come back once if equal, else are refused (naming
 ``output_rules``' ``"all"`` and ``"any"``); a value each replica received rather than computed
 (a buffer, an input) comes back once; integers tell counts
-(summed) from constants (kept), as the guide's gather rules say (docs/guide.md). ``gather``
+(summed) from constants (kept), as the guide's "The gather rules, in short" say. ``gather``
 dispatches here.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from dataparallel.gather._counted import check_unmarked
 from dataparallel.gather._output_rules import warn_even_count
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
+from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
 
 __all__ = ["gather_scalars"]
 
@@ -31,7 +31,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     """Rule 2: numbers, numpy numbers, 0-dim tensors and ndarrays; booleans apart."""
     target = ctx.target
     if all(_is_bool(v) for v in values):  # never averaged, summed or stacked
-        moved = [v.to(target) if isinstance(v, torch.Tensor) else v for v in values]
+        moved = [move(v, target) if isinstance(v, torch.Tensor) else v for v in values]
         if all(bool(v) == bool(moved[0]) for v in moved):
             return moved[0]
         raise _booleans_differ(values, path)

@@ -392,8 +392,12 @@ def unmark_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return inputs, kwargs
 
 
-def terms_note() -> str:
-    """What ``explain`` says about a call's scalar outputs on several chunks."""
+def terms_note(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """What ``explain`` says about the scalar outputs of a call on several chunks; ``None``
+    where it passes no integer tensor (nothing is marked: a scalar is a chunk-size mean, the
+    general rule, exact for a mean over samples, and a note on every call would be noise)."""
+    if not any(map(_integers, _leaves(inputs, kwargs))):
+        return None
     return (
         "scalar outputs: a loss that torch's loss functions (cross-entropy, CTC, MSE, ...) "
         "built from this call's integer tensors, and the sums, differences, constant multiples "

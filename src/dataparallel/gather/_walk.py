@@ -59,6 +59,7 @@ from dataparallel.gather._outputs import (
     arrays_equal,
     fmt,
     fmt_attributes,
+    move,
     rebuild_at,
     to_target,
 )
@@ -114,15 +115,12 @@ def _gather_arrays(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return gather_scalars(values, path, ctx)
     if _one_per_replica(values, ctx):
         if ctx.scalars == "stack":  # torch's vector: one value per replica
-            return torch.cat([v.to(ctx.target) for v in values])
+            return torch.cat([move(v, ctx.target) for v in values])
         return gather_scalars(values, path, ctx)  # shape (1,) kept: one device's
     is_tensor = isinstance(values[0], torch.Tensor)
     if is_tensor:
         target = ctx.target
-        # A plain tensor already on the target is what ``.to`` would return: itself.
-        values = [
-            v if type(v) is torch.Tensor and v.device == target else v.to(target) for v in values
-        ]
+        values = [move(v, target) for v in values]  # (a subclass's own .to is not called)
     if ctx.dim == 0 and ctx.sizes is not None and hidden_state(values, path, ctx):
         return _concat(values, path, 1, ctx)  # (layers*directions, batch, hidden)
     if not _batched(values, ctx):
@@ -156,7 +154,7 @@ def _one_per_replica(values: list[Any], ctx: _Ctx) -> bool:
 def _concat(values: list[Any], path: _Path, dim: int, ctx: _Ctx, where: str = "") -> Any:
     try:
         if isinstance(values[0], torch.Tensor):
-            return torch.cat([v.to(ctx.target) for v in values], dim)
+            return torch.cat([move(v, ctx.target) for v in values], dim)
         return np.concatenate(values, axis=dim)
     except (RuntimeError, ValueError, IndexError) as exc:
         raise concat_error(values, where or fmt(path), dim, ctx.sizes) from exc

@@ -51,7 +51,7 @@ from dataparallel.parallel_apply._task import (
     _span,
     _Task,
 )
-from dataparallel.replicate import serial_mark
+from dataparallel.replicate import check_writes, serial_mark
 
 __all__ = ["apply_replicas", "as_arguments", "in_order", "parallel_apply", "wait_for"]
 
@@ -80,12 +80,10 @@ def parallel_apply(
         devices: one device spec per module; ``None`` infers each from its first input tensor
             (else the module's first tensor, else the CPU).
         timings: if a list is given, it is filled with each replica's time: wall-clock seconds
-            on the CPU; on CUDA a ``_spans.Span`` of pooled events on the
-            replica's stream, whose ``float()`` gives the seconds (waiting for the stream only
-            then, not per call).
-        syncbn: the call's SyncBatchNorm rendezvous (``DataParallel`` makes it with
-            ``_syncbn.sync_call``; see ``_rendezvous``); without it each replica's layers act
-            per chunk.
+            on the CPU; on CUDA a span of events on the replica's stream, whose ``float()``
+            gives the seconds (waiting for the stream only then, not per call).
+        syncbn: ``DataParallel``'s own: the call's SyncBatchNorm rendezvous, which the wrapper
+            makes per call; leave it ``None`` (each replica's BatchNorm layers act per chunk).
         serial: why the replicas must run one after another on the calling thread (the mark
             ``replicate`` set on them, read by a caller that runs them wrapped: compiled, as
             step methods); ``None`` reads it from ``modules`` themselves.
@@ -98,11 +96,13 @@ def parallel_apply(
         Exception: the first failing replica's error, with the same type where possible (else
             ``RuntimeError``), chained from the original.
 
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> chunks = [torch.ones(2, 3), (torch.ones(1, 3),)]
-    >>> outs = parallel_apply([lin, lin], chunks, devices=["cpu", "cpu"])
-    >>> [tuple(o.shape) for o in outs]
-    [(2, 2), (1, 2)]
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> chunks = [torch.ones(2, 3), (torch.ones(1, 3),)]
+        >>> outs = dp.parallel_apply([lin, lin], chunks, devices=["cpu", "cpu"])
+        >>> [tuple(o.shape) for o in outs]
+        [(2, 2), (1, 2)]
     """
     n = len(modules)
     if len(inputs) != n:
@@ -247,6 +247,7 @@ def apply_replicas(
     if timings is not None:
         timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
     _reraise(tasks, why)
+    check_writes(modules)  # a trainable parameter the replicas share, written in forward
     return [t.result for t in tasks]
 
 

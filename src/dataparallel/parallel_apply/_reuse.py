@@ -32,6 +32,7 @@ from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
 from dataparallel.parallel_apply._pool import _local, _run_on_pool
 from dataparallel.parallel_apply._task import _reraise, _Task
+from dataparallel.replicate import check_writes
 
 __all__ = ["TaskSlots", "apply_kept"]
 
@@ -159,6 +160,7 @@ def apply_kept(
             timings.append(float("nan") if span is None else span.settled())
             if task.error is not None:
                 _reraise(tasks)
+        check_writes(modules)
         return [task.result for task in tasks]
     finally:
         for task in tasks:  # keep no batch, output, error or context alive between calls

@@ -183,16 +183,26 @@ def plan(
         devices: a device list such as ``["cpu", "cpu"]`` or ``[0, 1]``; ``None`` means every
             visible CUDA device, else the CPU.
         dim: the batch dimension of tensors and ndarrays.
-        **opts: ``batch_size``, ``chunk_sizes``, ``weights``, ``max_size``, ``dtype``,
-            ``strict`` (see docs/guide.md, "The batch rules, in short").
+        **opts: the batch options: ``batch_size`` (int: the batch size, not voted),
+            ``chunk_sizes`` (list of int, one per device), ``weights`` (list of float: the
+            devices' shares), ``max_size`` (int: the most samples per chunk, in waves),
+            ``dtype`` (floating tensors cast on the way), ``strict`` (bool: refuse any
+            argument the rules broadcast); the guide's "The batch rules, in short".
 
     Returns:
         A ``Plan``; ``str(plan)`` is a readable table of the votes and of each leaf's rule.
 
-    >>> import torch, dataparallel as dp
-    >>> p = dp.plan((torch.zeros(10, 3), torch.zeros(1, 4)), None, ["cpu", "cpu"])
-    >>> p.batch_size, p.chunk_sizes, [e.rule for e in p.entries]
-    (10, [5, 5], ['split', 'broadcast'])
+    Raises:
+        TypeError: an unknown option.
+        ValueError: a bad device spec or option value (``chunk_sizes`` that do not sum to the
+            batch size...); a ``Split`` whose size is not the batch size; under ``strict``, an
+            argument the rules would broadcast. Each message names the argument and the fix.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> p = dp.plan((torch.zeros(10, 3), torch.zeros(1, 4)), None, ["cpu", "cpu"])
+        >>> p.batch_size, p.chunk_sizes, [e.rule for e in p.entries]
+        (10, [5, 5], ['split', 'broadcast'])
     """
     check_options(opts)
     return build_plan(inputs, kwargs, resolve_devices(devices), dim, **opts)

@@ -47,6 +47,13 @@ class Entry:
     ``"cuda:0/cuda:1"``: one device per chunk, in order) or that nothing moves; ``receives``
     is what each device gets, after the cast (``"Tensor[2/6/4/4, 8] float16"``: one size per
     chunk, in the order of ``to``; per-sample leaves name the items of each chunk).
+    A record a ``Plan`` makes (``plan.entries``), not one to build.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> entry = dp.plan((torch.zeros(6, 2),), None, ["cpu", "cpu"]).entries[0]
+        >>> entry.path, entry.rule, entry.to, entry.receives
+        ('args[0]', 'split', 'cpu', 'Tensor[3, 2] float32')
     """
 
     path: str
@@ -59,7 +66,16 @@ class Entry:
 
 @dataclass(frozen=True)
 class Vote:
-    """One vote for the batch size: who (``path``), for which ``size``, and as what."""
+    """One vote for the batch size: who (``path``), for which ``size``, and as what.
+
+    A record a ``Plan`` makes (``plan.votes``, in argument order), not one to build.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> votes = dp.plan((torch.zeros(6, 2), [1, 2, 3, 4, 5, 6]), None, ["cpu", "cpu"]).votes
+        >>> [(v.path, v.size, v.source) for v in votes]
+        [('args[0]', 6, 'size along dim 0'), ('args[1]', 6, 'length')]
+    """
 
     path: str
     size: int
@@ -187,6 +203,15 @@ class Plan:
         notes: what ``explain`` adds beyond the split: about the call (``num_items_in_batch``
             shared between the replicas) and about the module (which BatchNorm layers are
             synchronised over the replicas and which act per chunk).
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> p = dp.plan((torch.zeros(7, 2),), None, ["cpu", "cpu"], max_size=2)
+        >>> p.batch_size, p.chunk_sizes, p.waves, p.decided_by
+        (7, [4, 3], [[2, 2], [2, 1]], 'vote (1 of 1)')
+        >>> print(p)  # the readable table: the votes, then each argument's rule
+        batch size 7, decided by vote (1 of 1)
+        ...
     """
 
     batch_size: int

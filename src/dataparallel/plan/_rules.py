@@ -7,7 +7,7 @@ sample, a ``dp.Split`` or a ``PackedSequence`` as its own rule says, anything el
 broadcast; each with its reason, and a warning for inputs that look
 batched but do not match. :func:`holds_arrays` tells the per-sample cut, from the item
 types alone, whether to look inside the items; scatter's plan cache asks it too. The rules are
-docs/guide.md's ("The batch rules, in short").
+the guide's "The batch rules, in short".
 """
 
 from __future__ import annotations

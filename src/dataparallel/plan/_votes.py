@@ -6,7 +6,7 @@ another value) and records, in order, the votes for the batch size that its size
 cast; :func:`decide_batch_size` then picks ``B``: the ``batch_size=`` option, else the first
 ``dp.Split``, else the vote. What pass 1 learned about each position (:class:`Info`) is what the
 leaf rules (``plan._rules``) compile. Scatter's plan cache reads lists as pass 1 does
-(:func:`list_kind`). The rules are docs/guide.md's ("The batch rules, in short").
+(:func:`list_kind`). The rules are the guide's "The batch rules, in short".
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from dataparallel.replicate._compiled import (
 )
 from dataparallel.replicate._rebind import SERIAL, serial_mark
 from dataparallel.replicate._replicas import Replicas
+from dataparallel.replicate._written import check_writes
 
 __all__ = [
     "SERIAL",
@@ -62,6 +63,7 @@ __all__ = [
     "ReplicaSets",
     "check_compile_option",
     "check_not_compiled",
+    "check_writes",
     "clear_replica_cache",
     "fresh_replicate",
     "replicate",
@@ -91,7 +93,6 @@ def _replicas_of(
     ``keep`` says so of the tree, or of the modules just refilled) when it has none for this
     structure."""
     entry = table.get(devices)
-    old = None
     if entry is not None:
         fills = entry.fills
         replicas = entry.current_replicas(module)
@@ -99,14 +100,12 @@ def _replicas_of(
             if entry.fills != fills and not keep(entry.modules(module), entry.refilled):
                 del table[devices]
             return replicas
-        old = table.pop(devices)
+        del table[devices]
     try:
         modules, _ = fingerprint(module)
     except Scripted:
         return replicate_scripted(module, devices)
     entry = Replicas(module, devices)
-    if old is not None:  # (a momentum update by ``.data =`` moves a parameter's data)
-        entry.writes.inherit(old.writes, old.params, entry.params)
     replicas = entry.current_replicas(module)
     if replicas is None:  # pragma: no cover - the structure changed while it was being built
         raise RuntimeError("module: its structure changed while its replicas were being built")
@@ -135,10 +134,12 @@ def replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Modul
         TypeError: ``module`` is not an ``nn.Module``, or was compiled as a whole.
         ValueError: a device spec is not usable.
 
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> a, b = replicate(lin, ["cpu", "cpu"])
-    >>> a.weight is lin.weight and replicate(lin, ["cpu", "cpu"])[1] is b
-    True
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> a, b = dp.replicate(lin, ["cpu", "cpu"])
+        >>> a.weight is lin.weight and dp.replicate(lin, ["cpu", "cpu"])[1] is b
+        True
     """
     resolved = _prepare(module, devices)
     if isinstance(module, torch.jit.ScriptModule):  # its tensors live in C++: never cached
@@ -210,6 +211,24 @@ def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn
 
     Same semantics as :func:`replicate`: the benchmark's baseline, and an escape hatch for a
     module run from several threads at once.
+
+    Args:
+        module: the module to replicate; it is never modified.
+        devices: device specs, one per replica; repeats are allowed.
+
+    Returns:
+        New replicas, in the order of ``devices``: never the objects of an earlier call.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or was compiled as a whole.
+        ValueError: a device spec is not usable.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> a, b = dp.fresh_replicate(lin, ["cpu", "cpu"])
+        >>> dp.fresh_replicate(lin, ["cpu", "cpu"])[1] is b, torch.equal(b.weight, lin.weight)
+        (False, True)
     """
     resolved = _prepare(module, devices)
     try:
@@ -223,7 +242,19 @@ def clear_replica_cache(module: nn.Module | None = None) -> None:
     """Forget the replicas :func:`replicate` keeps of ``module`` (all modules when ``None``).
 
     Never needed for correctness (every write to the module is seen); it frees the memory of
-    the replicas' private copies at once.
+    the replicas' private copies at once. It raises nothing: a module with no replicas kept is
+    left as it is. A ``DataParallel`` wrapper keeps its own replicas, which go with it.
+
+    Args:
+        module: the module whose replicas to forget; ``None``: every module's.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> lin = torch.nn.Linear(3, 2)
+        >>> _, b = dp.replicate(lin, ["cpu", "cpu"])  # (replica 0 is the module itself)
+        >>> dp.clear_replica_cache(lin)
+        >>> dp.replicate(lin, ["cpu", "cpu"])[1] is b  # built again
+        False
     """
     with _LOCK:
         if module is None:

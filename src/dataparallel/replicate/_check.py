@@ -29,7 +29,7 @@ import gc
 import operator
 import types
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -130,14 +130,15 @@ def structure_key(modules: list[nn.Module]) -> list[Any]:
 # change together with the forward hook tables.
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_DATA_PTR = torch.Tensor.data_ptr
+# (``const_data_ptr``: ``data_ptr`` would make a copy-on-write tensor copy its data)
+_DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _DICT = operator.attrgetter("__dict__")
 _VALUES = dict.values
 
 
 def _ptr(param: torch.Tensor) -> int | None:
     try:
-        return param.data_ptr()
+        return _DATA_PTR(param)
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 

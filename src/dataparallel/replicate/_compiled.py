@@ -136,6 +136,7 @@ class CompiledReplicas:
         self.source = options  # the wrapper's dict, to tell when it is replaced
         self.options = dict(options)
         self.hooks: list[Any] = []  # the hooks the call was compiled for (identities)
+        self.global_hooks = _global_hooks()  # and the global forward hooks
         self._table: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (replica, wrapped)
         self.call = self._compile()
 
@@ -169,11 +170,12 @@ class CompiledReplicas:
                 for m in replicas[0].modules()
                 for table in (m._forward_hooks, m._forward_pre_hooks)
             ]
-        if hooks is not self.hooks:
-            if hooks != self.hooks:
+        glob = _global_hooks()  # (``register_module_forward_hook``: no module is written)
+        if hooks is not self.hooks or glob != self.global_hooks:
+            if hooks != self.hooks or glob != self.global_hooks:
                 self._table.clear()
                 self.call = self._compile()
-            self.hooks = hooks
+            self.hooks, self.global_hooks = hooks, glob
         table = self._table
         out = []
         for replica in replicas:
@@ -186,6 +188,17 @@ class CompiledReplicas:
                         del table[key]
             out.append(entry[1])
         return out
+
+
+def _global_hooks() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global forward hooks and pre-hooks now (identities): dynamo does not guard on
+    them either, so a compiled call made before one was registered would never run it."""
+    from torch.nn.modules import module as torch_module
+
+    return (
+        tuple(map(id, torch_module._global_forward_hooks.values())),
+        tuple(map(id, torch_module._global_forward_pre_hooks.values())),
+    )
 
 
 def warn_compiled_wrapper(wrapper: nn.Module) -> None:

@@ -13,15 +13,12 @@ to it (an append, an item set) can be seen. Used by :mod:`._rebind`.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import dis
 import functools
 import operator
-import os
-import site
-import sys
-import sysconfig
 import types
 import weakref
 from typing import Any
@@ -30,15 +27,18 @@ import torch
 from torch import nn
 
 from dataparallel.replicate._check import filled
+from dataparallel.replicate._library import library_file, library_module
 
 __all__ = [
     "ATOMS",
     "MAX_DEPTH",
     "MAX_VISITS",
+    "RECORDS",
     "Mapping",
     "Pass",
     "contents",
     "global_names",
+    "plain_record",
     "rebind",
 ]
 
@@ -140,13 +140,38 @@ class Pass:
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
                 return value
-            items = [rebind(v, deeper) for v in value]
+            if len(value) > RECORDS:  # a table of data: its plain records are not visited
+                items = [v if plain_record(v, type(v)) else rebind(v, deeper) for v in value]
+            else:
+                items = [rebind(v, deeper) for v in value]
             if all(map(operator.is_, items, value)):
                 return value
             return kind(items)
+        if isinstance(value, dict) and not ATOMS.issuperset(map(type, value)):
+            return self._keyed(value, kind, deeper)  # keys that may be modules of the tree
         if kind is dict:
-            new = {k: rebind(v, deeper) for k, v in value.items()}
+            if len(value) > RECORDS:
+                new = {
+                    k: v if plain_record(v, type(v)) else rebind(v, deeper)
+                    for k, v in value.items()
+                }
+            else:
+                new = {k: rebind(v, deeper) for k, v in value.items()}
             return value if all(new[k] is v for k, v in value.items()) else new
+        if kind is set or kind is frozenset or kind is collections.deque:
+            items = [rebind(v, deeper) for v in value]
+            if all(map(operator.is_, items, value)):
+                return value
+            if kind is collections.deque:
+                return collections.deque(items, value.maxlen)
+            return kind(items)
+        if kind is weakref.ReferenceType:  # ``weakref.ref(parent)``: to the replica's module
+            target = value()
+            mapped = self.mapping.get(id(target)) if isinstance(target, nn.Module) else None
+            if mapped is None or value.__callback__ is not None:
+                return value  # (one with a callback: ``reaches`` follows it, serial)
+            # (a search's mapping binds a probe, which only has to differ from ``value``)
+            return weakref.ref(mapped) if isinstance(mapped, nn.Module) else mapped
         if isinstance(value, functools.partial):
             return self._partial(value, deeper)
         if kind is types.FunctionType:
@@ -191,6 +216,21 @@ class Pass:
         for key, held in state.items():
             fresh.setdefault(key, held)
         fresh.update(changed)
+        return new
+
+    def _keyed(self, value: dict[Any, Any], kind: type, deeper: int) -> Any:
+        """A dict some of whose keys are not atoms (``{module: name}``, as a hook that names
+        the module it runs on keeps): keys and values rebound."""
+        rebind = self.rebind
+        entries = [(rebind(k, deeper), rebind(v, deeper)) for k, v in value.items()]
+        pairs = zip(entries, value.items(), strict=True)
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in pairs):
+            return value
+        if kind is dict:
+            return dict(entries)
+        new = copy.copy(value)
+        new.clear()
+        new.update(entries)
         return new
 
     def _partial(self, value: functools.partial[Any], deeper: int) -> Any:
@@ -310,30 +350,11 @@ _HOLDERS = (
     functools.partial,
     types.SimpleNamespace,
     collections.deque,
+    collections.UserList,
+    collections.UserDict,
+    collections.ChainMap,
+    argparse.Namespace,
 )
-
-
-def _library_roots() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
-    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
-
-
-_LIBRARY_ROOTS = _library_roots()
-
-
-@functools.lru_cache(maxsize=4096)
-def _library_module(name: str | None) -> bool:
-    """Whether the module ``name`` is an installed package's or the standard library's (by
-    where its file lies), not the user's script or project."""
-    if not name or name == "__main__":
-        return False
-    module = sys.modules.get(name)
-    file = getattr(module, "__file__", None)
-    if file is None:
-        return module is not None and name in sys.builtin_module_names
-    return os.path.realpath(file).startswith(_LIBRARY_ROOTS)
 
 
 def from_library(value: Any, kind: type) -> bool:
@@ -342,10 +363,30 @@ def from_library(value: Any, kind: type) -> bool:
     holders (lists, dicts, tuples, sets, partials, namespaces, deques, and their subclasses)
     are never: what they hold is whoever filled them's."""
     if kind is types.FunctionType:
-        return _library_module(getattr(value, "__module__", None))
+        # by where its code lies: ``functools.wraps`` copies a library function's
+        # ``__module__`` onto a wrapper of the user's own
+        return library_file(value.__code__.co_filename)
     if isinstance(value, _HOLDERS):
         return False
-    return _library_module(getattr(kind, "__module__", None))
+    return library_module(getattr(kind, "__module__", None))
+
+
+RECORD = 16  # a plain record: a dict, list or tuple of at most this many atoms
+RECORDS = 64  # a list or dict longer than this is a table: its plain records are data
+
+
+def plain_record(value: Any, kind: type) -> bool:
+    """Whether ``value`` is a small dict, list or tuple of atoms only (keys too): a record of
+    data (``{"step": 3, "loss": 0.5}``), which leads to no module. Inside another holder such
+    records are neither searched one by one nor watched when the holder is a table (over
+    :data:`RECORDS` items): a list of 30,000 of them is one holder, compared as one."""
+    if kind is dict:
+        return len(value) <= RECORD and ATOMS.issuperset(
+            [*map(type, value), *map(type, value.values())]
+        )
+    if kind is list or kind is tuple:
+        return len(value) <= RECORD and ATOMS.issuperset(map(type, value))
+    return False
 
 
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
@@ -377,7 +418,7 @@ def contents(value: Any) -> list[Any]:
     swapped (``f.__code__ = g.__code__``) is then a change, as a written attribute is."""
     if isinstance(value, dict):
         return [*value.keys(), *value.values()]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
         return list(value)
     if isinstance(value, functools.partial):
         return [value.func, *value.args, *value.keywords.values(), *value.__dict__.values()]

@@ -27,9 +27,9 @@ threads at once.
 from __future__ import annotations
 
 import gc
-import operator
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -45,11 +45,12 @@ from dataparallel.replicate._copy import (
     MAX_VISITS,
     Mapping,
     Pass,
-    contents,
     from_library,
     global_names,
+    plain_record,
     rebind,
 )
+from dataparallel.replicate._holders import Held
 
 __all__ = [
     "HOOKS_SEEN",
@@ -127,17 +128,18 @@ class Rebinding:
     write to one since (``order.append(m)``, ``route["k"] = m``) refills that module.
     """
 
-    __slots__ = ("keys", "serial", "warned", "watched")
+    __slots__ = ("keys", "probe", "serial", "warned", "watched")
 
     def __init__(self) -> None:
         self.keys: dict[int, tuple[str, ...]] = {}
         self.serial: dict[int, tuple[str, Any, str]] = {}
-        self.watched: dict[int, list[tuple[Any, list[Any]]]] = {}
+        self.watched: dict[int, list[Held]] = {}
         self.warned = False
+        self.probe: Mapping = {}  # the tree's module ids, as of the last search
 
     def plan(self, modules: list[nn.Module], indices: Any) -> None:
         """Search the modules at ``indices`` (just refilled) of the tree ``modules``."""
-        probe = dict.fromkeys(map(id, modules), _PROBE)
+        probe = self.probe = dict.fromkeys(map(id, modules), _PROBE)
         tree = set(probe)
         for i in indices:
             d = modules[i].__dict__
@@ -151,7 +153,7 @@ class Rebinding:
             # change (a list that led nowhere, later given a module of the tree).
             watched = search.copied + search.walked
             if watched:
-                self.watched[i] = watched
+                self.watched[i] = [Held(obj, held) for obj, held in watched]
             else:
                 self.watched.pop(i, None)
             found = cut or _unbound(d, probe, tree, _skipped(type(modules[i])))
@@ -167,23 +169,22 @@ class Rebinding:
         return Pass(dict(zip(map(id, modules), objects, strict=True)))
 
     def same(self) -> bool:
-        """Whether every holder the replicas copied still holds what it held (identities)."""
+        """Whether every holder the replicas copied still holds what it held (identities; a
+        list that only grew by what leads to no module of the tree counts as the same)."""
+        probe = self.probe
         for watched in self.watched.values():
-            for obj, held in watched:
-                now = contents(obj)
-                if len(now) != len(held) or not all(map(operator.is_, now, held)):
+            for holder in watched:
+                if not holder.still(probe):
                     return False
         return True
 
     def changed(self) -> list[int]:
         """The modules one of whose copied holders was written since."""
+        probe = self.probe
         return [
             i
             for i, watched in self.watched.items()
-            if any(
-                len(now := contents(obj)) != len(held) or not all(map(operator.is_, now, held))
-                for obj, held in watched
-            )
+            if not all([holder.still(probe) for holder in watched])
         ]
 
     def reason(self, modules: list[nn.Module], replicas: int) -> str | None:
@@ -340,7 +341,7 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool | None:
             if id(obj) in tree:
                 return True
             continue
-        if id(obj) in seen or isinstance(obj, _LEAVES):
+        if id(obj) in seen or isinstance(obj, _LEAVES) or plain_record(obj, type(obj)):
             continue
         seen.add(id(obj))
         if len(seen) > limit:
@@ -359,6 +360,8 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool | None:
         elif isinstance(obj, types.MethodType):
             stack.append(obj.__self__)
             stack.append(obj.__func__)
+        elif isinstance(obj, weakref.ReferenceType):  # (a ``WeakValueDictionary``'s too)
+            stack.append(obj())
         else:
             stack.extend(gc.get_referents(obj))
     return False

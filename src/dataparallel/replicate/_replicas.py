@@ -60,7 +60,7 @@ from dataparallel.replicate._records import (
     tensor_slots,
 )
 from dataparallel.replicate._sync import TensorSync
-from dataparallel.replicate._written import ForwardWrites
+from dataparallel.replicate._written import WRITES, ForwardWrites
 
 __all__ = ["Replicas"]
 
@@ -228,7 +228,7 @@ class Replicas(TensorSync):
 
         ``only``: the modules whose dictionaries must be refilled (``None``: all of them).
         """
-        per_device = self.writes.private(root.training, self._sync_params())
+        per_device = self.writes.private(self._sync_params())
         buffers = self._current_buffers(root)
         self._sync_buffers(buffers)
         self.current = buffers
@@ -250,9 +250,9 @@ class Replicas(TensorSync):
         parameters themselves, which a write past the snapshot's notice cannot replace.
         """
         self._copy_slots(root)
-        if not self.targets and not self.buffers and not self.writes.pending(root.training):
+        if not self.targets and not self.buffers and not self.writes.arm(self.params):
             return self._roots(root)
-        per_device = self.writes.private(root.training, self._sync_params())
+        per_device = self.writes.private(self._sync_params())
         self._sync_buffers(self.current)
         self._install(root, per_device)
         return self._roots(root)
@@ -374,6 +374,7 @@ class Replicas(TensorSync):
         for replica in self.replicas[self.first :]:
             d = replica.nodes[0].module.__dict__
             d[HOOKS_SEEN] = self.hooks_seen
+            d[WRITES] = self.writes
             if reason is None:
                 d.pop(SERIAL, None)
             else:
@@ -428,8 +429,9 @@ class Replicas(TensorSync):
             objects = [n.module for n in replica.nodes]
             rebind_state(d, keys, self.rebinding.mapping(modules, objects), node.module)
         rep = node.module
-        if SERIAL in rep.__dict__:  # the root's mark, set by the last fill
-            d[SERIAL] = rep.__dict__[SERIAL]
+        for mark in (SERIAL, WRITES):  # the root's marks, set by the last fill
+            if mark in rep.__dict__:
+                d[mark] = rep.__dict__[mark]
         object.__setattr__(rep, "__dict__", d)
         if attrs:
             for name, value in attrs.items():

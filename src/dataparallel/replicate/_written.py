@@ -1,117 +1,180 @@
-"""Parameters written inside forward: one write per call, as on one device.
+"""Parameters written inside forward: one write per call, as on one device, or a refusal.
 
 A momentum encoder updates its key encoder inside forward (MoCo: ``param_k.data =
-param_k.data * m + param_q.data * (1 - m)``; BYOL: ``param_k.data.mul_(m).add_(...)``). Where
-the replicas share the module's parameters (a list that repeats a device: ``["cpu", "cpu"]``,
-``[0, 0]``, the copies of ``"cpu:1"`` shared by two replicas there), every replica would write
-the same tensor: the number of updates per call would be a race, and each replica would
-compute with whatever the others had written so far. On one device, and with torch on
-separate GPUs, the update happens once, and every chunk is computed with it.
+param_k.data * m + param_q.data * (1 - m)``; BYOL: ``param_k.data.mul_(m).add_(...)``; timm's
+``ModelEmaV2``: ``torch._foreach_lerp_``). Where the replicas share the module's parameters (a
+list that repeats a device: ``["cpu", "cpu"]``, ``[0, 0]``, the copies of ``"cpu:1"`` shared by
+two replicas there), every replica would write the same tensor: the number of updates per call
+would be a race, and each replica would compute with whatever the others had written so far.
+On one device, and with torch on separate GPUs, the update happens once, and every chunk is
+computed with it.
 
-So a set whose replicas share parameter tensors learns which of them forward writes. The first
-call in each training mode (``module.training``) gives every replica after the first its own
-copy of every shared parameter that does not require grad (a key encoder, an EMA teacher: a
-parameter trained by backprop and also written in forward would need autograd's leave), and
-the next sync reads which copies the call changed: in place, through ``.data``, or by a
-``.data =`` assignment. Since a write through ``.data`` bumps no version counter, each copy's
-float64 sum and norm are taken when it is made and compared then (no second copy is kept).
-From then on the replicas after the first get a fresh copy of each written parameter on every
-call; replica 0 (the module itself) writes the module's own, once. Parameters not written stay
-shared, at no cost; what a set learned passes to the set that replaces it (a ``.data =``
-assignment moves the parameter's data, which rebuilds the set). A forward that writes a
-parameter only on later calls, never on the first call in its mode, is not seen (the guide
-says so).
+A write is seen by mechanism, never by a change of value (an EMA's first update can keep every
+value; a row rotation keeps the sum and norm), on every call:
+
+- a shared parameter that does not require grad (a key encoder, an EMA teacher, a frozen
+  backbone, a counter) is given to every replica after the first as a copy-on-write clone
+  (``torch._lazy_clone``): it shares the module's memory until one of the two is written, by
+  any route (in place, through ``.data``, ``_foreach_*``), and then the writer gets its own
+  copy. So replica 0 (the module itself) writes the module's parameter once, the others write
+  their own, and a frozen backbone that forward never writes costs no memory at all. A clone
+  is kept across calls while both sides are still unwritten, and made again otherwise;
+- a shared parameter that requires grad stays shared (the gradient must reach it), and its
+  version counter and data address are read before and after the replicas run: a forward that
+  wrote it (a max-norm renormalisation under ``torch.no_grad()``, a decay, a ``.data =``
+  assignment) is refused at that call with the fix, since every replica wrote it, in a race.
+  A write through ``.data`` in place bumps no version counter: that one is not seen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["ForwardWrites"]
+__all__ = ["WRITES", "ForwardWrites", "check_writes"]
 
-# (parameter slot, the replica's copy, what it was when made: data pointer, version, sums)
-_Watched = list[tuple[int, torch.Tensor, tuple[int, int, torch.Tensor]]]
+# The mark on replica 1's ``__dict__`` that ``parallel_apply`` reads after the replicas ran.
+WRITES = "_dataparallel_writes"
+
+_IS_COW: Callable[[torch.Tensor], bool] = torch._C._is_cow_tensor  # type: ignore[attr-defined]
+_LAZY_CLONE = torch._lazy_clone
+# The data address without the copy ``data_ptr`` makes of a copy-on-write tensor.
+_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 
 
 class ForwardWrites:
-    """Which shared parameters a replica set's forward writes, and the private copies that
-    keep each replica's write its own."""
+    """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
+    keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("learned", "shared", "watch", "written")
+    __slots__ = ("before", "clones", "guard", "shared")
 
     def __init__(self) -> None:
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
-        self.learned: set[bool] = set()  # training modes whose first call was watched
-        self.written: list[int] = []  # slots a forward wrote
-        self.watch: _Watched | None = None  # the copies of the last watched call
+        # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
+        self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
+        self.before: list[tuple[int, int | None]] = []  # their (version, data address) at the sync
 
-    def pending(self, training: bool) -> bool:
-        """Whether this call needs private copies (or a watched call to read): a sync that
-        would otherwise have nothing to do must not skip them."""
-        if not self.shared:
+    def arm(self, params: Sequence[torch.Tensor]) -> bool:
+        """For replicas that share ``params`` themselves (no copy on any device): guard the
+        trainable shared ones for this call; whether some shared one needs clones (or the
+        replicas hold clones of parameters that are trainable now: they get the parameters
+        themselves again)."""
+        shared = self.shared
+        if not shared:
+            self.guard = []
             return False
-        return training not in self.learned or bool(self.written) or self.watch is not None
+        guard = [params[i] for i in shared if params[i].requires_grad]
+        self.guard = guard
+        self.before = _marks(guard)
+        return len(guard) < len(shared) or bool(self.clones)
 
-    def private(
-        self, training: bool, per_device: list[list[torch.Tensor]]
-    ) -> list[list[torch.Tensor]]:
-        """``per_device`` (each replica's parameter tensors, by slot) with private copies for
-        the replicas after the first: of every shared parameter on a watched call, of the
-        written ones after."""
+    def private(self, per_device: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``per_device`` (each replica's parameter tensors, by slot) with copy-on-write clones
+        of the shared tensors that do not require grad for the replicas after the first, and
+        the shared ones that do guarded for this call."""
         if self.shared is None:
             self.shared = _shared_slots(per_device)
-        if not self.shared:
+        shared = self.shared
+        if not shared:
+            self.guard = []
             return per_device
-        self._read_watch()
-        watching = training not in self.learned
-        if watching:  # parameters trained by backprop are left shared
-            slots = [i for i in self.shared if not per_device[0][i].requires_grad]
-        else:
-            slots = self.written
-        if not slots:
-            if watching:
-                self.learned.add(training)
+        guard: dict[int, torch.Tensor] = {}
+        frozen: list[int] = []
+        for i in shared:
+            if per_device[0][i].requires_grad:
+                for tensors in per_device:
+                    guard[id(tensors[i])] = tensors[i]
+            else:
+                frozen.append(i)
+        self.guard = list(guard.values())
+        self.before = _marks(self.guard)
+        if not frozen:
+            self.clones.clear()
             return per_device
-        watched: _Watched = []
+        clones = self.clones
+        kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         out = [per_device[0]]
-        for tensors in per_device[1:]:
-            mine = list(tensors)
-            for i in slots:
-                copy = _private(mine[i])
-                mine[i] = copy
-                if watching:
-                    watched.append((i, copy, _state(copy)))
+        for j in range(1, len(per_device)):
+            mine = list(per_device[j])
+            for i in frozen:
+                source = mine[i]
+                entry = clones.get((j, i))
+                if (
+                    entry is None
+                    or entry[0] is not source
+                    or not _IS_COW(source)
+                    or not _IS_COW(entry[1])
+                ):
+                    entry = (source, _clone(source))
+                kept[j, i] = entry
+                mine[i] = entry[1]
             out.append(mine)
-        if watching:
-            self.learned.add(training)
-            self.watch = watched
+        self.clones = kept
         return out
 
-    def inherit(
-        self,
-        old: ForwardWrites,
-        old_params: Sequence[torch.Tensor],
-        params: Sequence[torch.Tensor],
-    ) -> None:
-        """What the set this one replaces learned, by parameter: a ``.data =`` assignment in
-        forward moves a parameter's data, which rebuilds the set on the next call."""
-        old._read_watch()
-        ids = {id(old_params[i]) for i in old.written}
-        self.written = [i for i, p in enumerate(params) if id(p) in ids]
-        self.learned = set(old.learned)
-
-    def _read_watch(self) -> None:
-        """Mark written every parameter whose copy the watched call changed."""
-        watched, self.watch = self.watch, None
-        if not watched:
+    def check(self, replica: Any) -> None:
+        """Refuse a call whose forward wrote a trainable parameter its replicas share."""
+        guard = self.guard
+        if not guard or _marks(guard) == self.before:
             return
-        written = set(self.written)
-        for i, copy, before in watched:
-            if i not in written and not _same_state(_state(copy), before):
-                written.add(i)
-        self.written = sorted(written)
+        written = [t for t, m in zip(guard, self.before, strict=True) if _mark(t) != m]
+        self.before = _marks(guard)
+        names = _names(replica, written)
+        raise RuntimeError(
+            f"module: forward wrote the trainable parameter{'s' if len(names) > 1 else ''} "
+            f"{', '.join(names)} (in place under torch.no_grad(), or by a .data assignment), "
+            f"which the replicas share on this device list: each replica wrote it, in a race, "
+            f"where one device writes it once per call. Write it outside the wrapped call "
+            f"(before model(x), as an optimizer step does; for nn.Embedding(max_norm=...), "
+            f"renormalise the rows with torch.embedding_renorm_ before the call and drop "
+            f"max_norm), or, if forward must write it, set requires_grad=False on it (each "
+            f"replica then writes its own copy) or give each replica a device of its own"
+        )
+
+
+def check_writes(replicas: Sequence[Any]) -> None:
+    """After the replicas of one call ran: refuse the call if forward wrote a trainable
+    parameter the replicas share (``ForwardWrites.check``)."""
+    if len(replicas) < 2:
+        return
+    writes = getattr(replicas[1], "__dict__", {}).get(WRITES)
+    if writes is not None and writes.guard:
+        writes.check(replicas[0])
+
+
+def _marks(tensors: list[torch.Tensor]) -> list[tuple[int, int | None]]:
+    """Each tensor's version (an in-place write) and data address (a ``.data =``
+    assignment); the address read without making a copy-on-write tensor copy."""
+    try:
+        return [(t._version, _PTR(t)) for t in tensors]
+    except RuntimeError:  # one without: an inference tensor, a functorch wrapper
+        return list(map(_mark, tensors))
+
+
+def _mark(tensor: torch.Tensor) -> tuple[int, int | None]:
+    """``_marks`` for one tensor: ``-1`` for no version (an inference tensor), ``None`` for
+    no storage (a functorch wrapper)."""
+    version = -1 if tensor.is_inference() else tensor._version
+    try:
+        return version, _PTR(tensor)
+    except RuntimeError:
+        return version, None
+
+
+def _names(replica: Any, tensors: list[torch.Tensor]) -> list[str]:
+    """The parameter names of ``tensors`` in replica 0 (the module itself, or a replica with
+    the same names), quoted."""
+    ids = {id(t) for t in tensors}
+    names: list[str] = []
+    if isinstance(replica, nn.Module):
+        names = [
+            repr(n) for n, p in replica.named_parameters(remove_duplicate=False) if id(p) in ids
+        ]
+    return names or ["(a parameter copy of this device list)"]
 
 
 def _shared_slots(per_device: list[list[torch.Tensor]]) -> list[int]:
@@ -130,27 +193,12 @@ def _shared_slots(per_device: list[list[torch.Tensor]]) -> list[int]:
     return shared
 
 
-def _state(tensor: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """What tells a copy was written: its data pointer (a ``.data =`` assignment), version (an
-    in-place write) and float64 sum and norm (a write through ``.data``, which bumps no
-    version)."""
-    data = tensor.detach()
-    if not (data.is_floating_point() or data.is_complex()):
-        data = data.to(torch.float64)  # (an integer parameter: a counter, with no grad)
-    sums = torch.stack(
-        [data.sum(dtype=torch.float64), torch.linalg.vector_norm(data, dtype=torch.float64)]
-    )
-    return tensor.detach().data_ptr(), tensor._version, sums
-
-
-def _same_state(now: tuple[int, int, torch.Tensor], before: tuple[int, int, torch.Tensor]) -> bool:
-    return now[:2] == before[:2] and bool(now[2].equal(before[2]))
-
-
-def _private(tensor: torch.Tensor) -> torch.Tensor:
-    """A replica's own copy of ``tensor``, on its device: differentiable where grad is enabled
-    and the tensor requires it (the gradient flows back to the module's own parameter)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return tensor.clone()
-    with torch.no_grad():
-        return tensor.detach().clone()
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A replica's own copy of ``tensor`` (which does not require grad), sharing its memory
+    until either is written. Made outside inference mode, so a later call may write it or
+    save it for backward; a tensor that cannot be cloned lazily is copied."""
+    with torch.inference_mode(False), torch.no_grad():
+        try:
+            return _LAZY_CLONE(tensor.detach())
+        except (RuntimeError, NotImplementedError):  # (a tensor with no plain storage)
+            return tensor.detach().clone()

@@ -46,15 +46,20 @@ def _mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     return move
 
 
+# torch's own move, never a tensor subclass's Python ``to`` (BigGAN's ``Distribution.to`` reads
+# attributes its slices lack): as ``torch._C._scatter`` moves the pieces.
+_TO = torch.Tensor.to
+
+
 def _make_mover(device: torch.device, dtype: torch.dtype | None) -> Any:
     non_blocking = device.type == "cuda"
 
     def move(t: torch.Tensor) -> torch.Tensor:
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            return t.to(device=device, dtype=dtype, non_blocking=non_blocking)
+            return _TO(t, device=device, dtype=dtype, non_blocking=non_blocking)
         if t.device == device:
             return t
-        return t.to(device=device, non_blocking=non_blocking)
+        return _TO(t, device=device, non_blocking=non_blocking)
 
     # Without a cast, a tensor already on ``device`` is returned as is: per-sample lists test
     # that inline instead of calling ``move`` for every item.

@@ -10,7 +10,6 @@ a gather that knows each replica's chunk size.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -40,7 +39,9 @@ from dataparallel.replicate import (
 )
 from dataparallel.scatter import PlanCache, take
 from dataparallel.wrapper._call import direct_call
+from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
+from dataparallel.wrapper._one_device import checked_call
 from dataparallel.wrapper._options import (
     check_dim,
     check_module,
@@ -62,8 +63,9 @@ from dataparallel.wrapper._placement import (
 )
 from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
+from dataparallel.wrapper._runtime import CallState
 from dataparallel.wrapper._saving import peft_load_state_dict, peft_state_dict
-from dataparallel.wrapper._signature import SLOT, PresentedForward, PresentedSignature
+from dataparallel.wrapper._signature import PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
 from dataparallel.wrapper._warm import warm_call, warm_step
 from dataparallel.wrapper._waves import (
@@ -78,73 +80,75 @@ from dataparallel.wrapper._waves import (
 
 __all__ = ["CallStats", "DataParallel", "DeviceOutputs"]
 
-# What a wrapper keeps for its calls, not as its state: a copy (deepcopy, pickle) or a replica
-# (a wrapper nested in a replicated module) starts without them and makes its own, so no two
-# objects ever share a lock or a set of replicas.
-_RUNTIME = (
-    "_calls",
-    "_lock",
-    "_replica_sets",
-    "_sentinels",
-    "_plans",
-    "_here",
-    "_compiled_replicas",
-    "_sync_layers",
-)
 
-
-class DataParallel(ModuleNames, nn.DataParallel):
+class DataParallel(ModuleNames, CallState, nn.DataParallel):
     """Run ``module`` over several devices on one batch, split by the batch rules.
 
     A drop-in for ``torch.nn.DataParallel``, and an instance of it (code that unwraps with
     ``isinstance(m, nn.DataParallel)`` finds ``.module``): same positional arguments,
-    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*`` (a
-    peft model's own: ``_saving``), overridable ``scatter``, ``replicate``, ``parallel_apply``
-    and ``gather``. It also runs on CPU lists, splits per-sample lists, never drops samples,
-    and reuses its replicas. torch's ``__init__`` is not run (it refuses CPU lists and repeated
-    devices); every attribute torch's methods read is set here.
+    ``.module``, ``device_ids``, ``output_device``, ``dim``, state_dict keys ``module.*``,
+    overridable ``scatter``, ``replicate``, ``parallel_apply`` and ``gather``. It also runs on
+    CPU lists, splits per-sample lists, never drops samples, and reuses its replicas. The
+    guide's "The wrapper" and "The batch rules, in short" say what each option does and why.
 
     Args:
         module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
-        device_ids: device specs (``[0, 1]``, ``["cpu", "cpu"]``, ``[0, 0]``); ``None`` means
-            every visible CUDA device, else the CPU.
-        output_device: where the gathered output lands (``-1`` or ``"cpu"``: the CPU); default
-            ``device_ids[0]``.
+        device_ids (list[DeviceSpec] | DeviceSpec | None): device specs (``[0, 1]``, ``["cpu",
+            "cpu"]``, ``[0, 0]``); ``None`` means every visible CUDA device, else the CPU.
+        output_device (DeviceSpec | None): where the gathered output lands (``-1`` or
+            ``"cpu"``: the CPU); default ``device_ids[0]``.
         dim: the batch dimension.
         batch_size, chunk_sizes, weights, max_size, dtype, strict: the batch options of
             ``dp.plan``; ``max_size`` runs a large batch in waves.
         scalars: how scalar outputs are gathered: ``"mean"`` (chunk-weighted), ``"sum"`` or
             ``"stack"``; outputs computed from a ``num_items_in_batch`` argument come back
-            summed, as one device's (``dataparallel.wrapper._partial_sums``).
+            summed, as one device's (the guide's "The count, num_items_in_batch").
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
         scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in
             the ``"mean"`` of scalar outputs in place of its size, called only when a mean
-            needs it; it replaces the loss terms' re-forming (``dataparallel.gather._terms``).
-            Ignored when ``gather`` is overridden.
+            needs it; it replaces the loss terms' re-forming (the guide's "How a loss is
+            gathered"). Ignored when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
             ``"sum"``, ``"mean"``, ``"stack"``, ``"all"`` or ``"any"`` (booleans), ``"same"``
             (one copy) or ``"list"`` (one per replica). Ignored when ``gather`` is overridden.
-        compile: ``True``, or a dict of ``torch.compile`` keyword arguments (``backend``,
-            ``mode``, ``dynamic``...): every replica's forward is compiled, replica 0 (the
-            module itself) included, once per replica (not per call); the module is not
-            changed. ``torch.compile(wrapper)`` compiles none of the model: use this.
+        compile: ``True``, or ``torch.compile``'s keyword arguments as a dict: each replica's
+            forward is compiled once, the module's own included (the module is not changed).
+            ``torch.compile(wrapper)`` compiles none of the model: use this.
+        check: ``True`` compares calls with the same call on one device, on a copy of the
+            module (outputs, then parameters and buffers, then gradients at backward) and
+            warns ``dp.OneDeviceDifference`` per difference; ``"raise"`` raises it; ``None``
+            reads ``DATAPARALLEL_CHECK`` (``1`` or ``raise``). Which calls: the first of each
+            plan and after each rebuild, plus every ``check_every``-th (the guide's "Checking
+            against one device").
 
-    >>> import torch, dataparallel as dp
-    >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
-    >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
-    (torch.Size([10, 2]), [4, 3, 3])
+    Attributes:
+        module, device_ids, output_device, dim: torch's (the devices as ``torch.device``
+            objects); setting one is checked as the constructor checks it.
+        options (dict): the batch options by name, each also an attribute (``w.max_size = 4``,
+            checked against the devices when set).
+        scalars, scalar_weights, output_rules: as given; settable, read at every call.
+        gather_outputs, compile_options: the ``gather`` and ``compile`` arguments.
+        last_call (CallStats | None): the load of this thread's last call.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option has the wrong type.
+        ValueError: a device spec, batch option, ``scalars`` or ``output_rules`` that cannot
+            hold (a CUDA index not visible...), named with its fix. A call raises the batch
+            rules' errors (``dp.plan``'s) and the module's own.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> model = dp.DataParallel(torch.nn.Linear(5, 2), ["cpu", "cpu", "cpu"])
+        >>> model(torch.randn(10, 5)).shape, model.last_call.chunk_sizes
+        (torch.Size([10, 2]), [4, 3, 3])
     """
 
     # torch's meaning (the devices used, where the output lands), as ``torch.device`` objects:
     # a CPU list has no CUDA index to hold.
     device_ids: list[torch.device]  # type: ignore[assignment]
     output_device: torch.device  # type: ignore[assignment]
-
-    # What a replica of a module holding this wrapper does not copy (its
-    # ``_replicate_for_data_parallel`` drops it): replicate's search of the tree skips it too.
-    _not_replicated = frozenset(_RUNTIME)
 
     # The batch options, read and set as attributes (``w.max_size = 4``), kept in ``options``.
     batch_size = plan_option("batch_size")
@@ -155,7 +159,7 @@ class DataParallel(ModuleNames, nn.DataParallel):
     strict = plan_option("strict")
 
     def __new__(cls, module: Any = None, *args: Any, **kwargs: Any) -> DataParallel:
-        """A peft model's wrapper is an instance of its peft class too (``_peft_class``)."""
+        """A peft model's wrapper is an instance of its peft class too (``isinstance`` holds)."""
         return nn.Module.__new__(cls if module is None else class_for(cls, module))
 
     def __init__(
@@ -176,7 +180,10 @@ class DataParallel(ModuleNames, nn.DataParallel):
         scalar_weights: ScalarWeights | None = None,
         output_rules: Mapping[str, int | str] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        check: bool | str | None = None,
     ) -> None:
+        """Check every argument now and wrap ``module`` (the class's Args; torch's are not run:
+        they refuse CPU lists and repeated devices)."""
         # nn.Module's __init__, not torch's DataParallel's: its device checks refuse CPU lists
         nn.Module.__init__(self)
         self.module = check_module(module)
@@ -207,16 +214,19 @@ class DataParallel(ModuleNames, nn.DataParallel):
         self.output_rules = check_output_rules(output_rules)
         # torch.compile's keyword arguments, or None: the compiled replicas are made lazily
         self.compile_options = check_compile_option(compile)
+        # check=: "warn", "raise" or None (``_one_device``); None reads DATAPARALLEL_CHECK
+        self.check_mode = check_option(check)
+        self.check_every = 0
         self._warned: set[tuple[str, ...]] = set()
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's (``module.*`` keys); a peft module's own at the top level (``_saving``)."""
+        """torch's (``module.*`` keys); a peft model's own keys at the top level, as it saves."""
         own = peft_state_dict(self, args, kwargs)
         return nn.DataParallel.state_dict(self, *args, **kwargs) if own is None else own
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        """torch's; for a peft module, its own keys too (``_saving``)."""
+        """torch's; for a peft model, its own keys (``state_dict``'s) too."""
         done = peft_load_state_dict(self, state_dict, args, kwargs)
         return (
             nn.DataParallel.load_state_dict(self, state_dict, *args, **kwargs)
@@ -224,40 +234,15 @@ class DataParallel(ModuleNames, nn.DataParallel):
             else done
         )
 
-    def _replicate_for_data_parallel(self) -> DataParallel:
-        """A copy of this wrapper for a replica of a module that holds it (a nested wrapper):
-        with no lock, replicas or plans of this one's (see ``_RUNTIME``); its calls run on the
-        replica's own device (``_placement.run_here``)."""
-        replica = nn.DataParallel._replicate_for_data_parallel(self)
-        for name in _RUNTIME:
-            replica.__dict__.pop(name, None)
-        return replica
-
     # The load of this thread's last call through this wrapper (``None`` before one).
     last_call = LastCall()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Thread-locals, locks and weak references cannot be pickled or deep-copied: the copy
-        # starts with no last call, lock, replicas, sentinels or kept plans (made again).
-        state = self.__dict__.copy()
-        for name in _RUNTIME:
-            state.pop(name, None)
-        state.pop(SLOT, None)  # holds a weak reference to this wrapper: the copy makes its own
-        return state
-
-    def _call_lock(self) -> threading.RLock:
-        """The lock that runs this wrapper's calls one at a time (see ``forward``)."""
-        lock = self.__dict__.get("_lock")
-        if lock is None:  # made lazily: a copied or unpickled wrapper has none
-            lock = self.__dict__.setdefault("_lock", threading.RLock())
-        return lock
 
     # -- the pipeline -------------------------------------------------------------------------
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``_call_impl`` makes on every call (``_call``). Any
+        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call. Any
         other call is torch's own."""
         if direct_call(self.__dict__):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
@@ -276,13 +261,14 @@ class DataParallel(ModuleNames, nn.DataParallel):
         One path for every call: on one device the plan has one chunk, reused from the last
         call while the arguments' signature holds, its scatter moves nothing, and the module is
         its own replica, run on the caller's thread. Introspection sees the module's signature
-        (``dataparallel.wrapper._signature``).
+        (``inspect.signature(w.forward)``).
 
         Calls through one wrapper run one at a time (a training thread and an evaluation
         thread sharing it take turns): its replicas are one set of objects, re-synced for each
         call. Gradients are unaffected: a call never writes a tensor an earlier call's graph
         saved. Threads that must run at once use a wrapper each (they share the module).
         A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
+        Returns the gathered output, or ``DeviceOutputs`` with ``gather=False``.
         """
         if torch.compiler.is_compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
@@ -296,7 +282,10 @@ class DataParallel(ModuleNames, nn.DataParallel):
         try:
             self._check_module_device()
             try:
-                return self._pipeline(*unmark_inputs(inputs, kwargs))
+                inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
+                if self.__dict__.get("check_mode") is None:
+                    return self._pipeline(inputs, kwargs)
+                return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
             except RuntimeError:
                 check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
@@ -455,13 +444,17 @@ class DataParallel(ModuleNames, nn.DataParallel):
         """The plan this wrapper would follow for a call ``w(*inputs, **kwargs)``; runs nothing.
         Its notes say how the call's outputs will be gathered where that is not the default
         (``num_items_in_batch``), and which BatchNorm layers of the module are synchronised
-        over the replicas. Only such a call (and the step methods) is split: a method of the
+        over the replicas, and, under ``check=``, that the call is compared with one device's.
+        Only such a call (and the step methods) is split: a method of the
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
         weighted = self.scalar_weights is not None  # (they replace the terms' re-forming)
         devices, dim = self.device_ids, self.dim
-        return explain_call(module, inputs, kwargs, devices, dim, self.options, weighted=weighted)
+        check = self.__dict__.get("check_mode")
+        return explain_call(
+            module, inputs, kwargs, devices, dim, self.options, weighted=weighted, check=check
+        )
 
     # -- checks -----------------------------------------------------------------------------------
 

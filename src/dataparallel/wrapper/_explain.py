@@ -2,7 +2,8 @@
 
 The plan (``dataparallel.plan``) says how the arguments are split. The wrapper adds what
 depends on its module: how outputs computed from ``num_items_in_batch`` are gathered, how scalar
-outputs (a loss) are, and which BatchNorm layers are synchronised over the replicas.
+outputs (a loss) are, which BatchNorm layers are synchronised over the replicas, and whether
+``check=`` compares the call with one device's.
 """
 
 from __future__ import annotations
@@ -30,19 +31,31 @@ def explain_call(
     options: Mapping[str, Any],
     *,
     weighted: bool = False,
+    check: str | None = None,
 ) -> Plan:
     """The plan of a call ``w(*inputs, **kwargs)`` of a wrapper of ``module`` on ``devices``,
     with the count's, the loss terms' and BatchNorm's notes; runs nothing. ``weighted``: the
-    wrapper has ``scalar_weights``, which replace the terms' re-forming."""
+    wrapper has ``scalar_weights``, which replace the terms' re-forming; ``check``: its check
+    mode (``_one_device``)."""
     plan = build_plan(inputs, kwargs, devices, dim, **options)
     chunks = sum(len(wave) for wave in plan.slices)
     slot = find_count(module, inputs, kwargs)
     if slot is not None and chunks > 1:
         value = kwargs[slot] if isinstance(slot, str) else inputs[slot]
         plan.notes.append(summing_note(value, slot))
-    if not weighted and chunks > 1:
-        plan.notes.append(terms_note())
+    terms = None if weighted or chunks < 2 else terms_note(inputs, kwargs)
+    if terms:
+        plan.notes.append(terms)
     note = batchnorm_note(module, plan.waves)
     if note:
         plan.notes.append(note)
+    if chunks > 1 and check:
+        plan.notes.append(_CHECK_ON)
     return plan
+
+
+_CHECK_ON = (
+    "check=: the call is compared with the same call on one device (outputs, then parameters "
+    "and buffers, then gradients at backward), each difference a dp.OneDeviceDifference "
+    "(check_every: which calls)"
+)

@@ -32,13 +32,35 @@ def data_parallel(
 ) -> Any:
     """The functional form of ``DataParallel``: one call, same rules, cached replicas.
 
-    ``inputs`` is the tuple of positional arguments, or one argument; ``output_device=-1``
-    means the CPU. ``opts`` are ``DataParallel``'s keyword options.
+    torch's ``nn.parallel.data_parallel``, with the batch rules: the replicas are kept between
+    calls on the same module (``dp.clear_replica_cache`` frees them), and calls on one module
+    from several threads take turns, as through one wrapper.
 
-    >>> import torch, dataparallel as dp
-    >>> out = dp.data_parallel(torch.nn.Linear(4, 2), torch.randn(8, 4), ["cpu", "cpu"], -1)
-    >>> out.shape, out.device.type
-    (torch.Size([8, 2]), 'cpu')
+    Args:
+        module: the module to run; its parameters and buffers must be on ``device_ids[0]``.
+        inputs: the tuple of positional arguments for ``forward``, or one argument (``None``:
+            none).
+        device_ids: device specs, as for ``DataParallel``; ``None``: every visible CUDA
+            device, else the CPU.
+        output_device: where the output lands (``-1``: the CPU); default ``device_ids[0]``.
+        dim: the batch dimension.
+        module_kwargs: keyword arguments for ``forward``, split by the same rules.
+        **opts: ``DataParallel``'s keyword options (``batch_size``, ``scalars``, ...).
+
+    Returns:
+        The module's output, gathered on ``output_device``.
+
+    Raises:
+        TypeError: ``module_kwargs`` is not a mapping, or an argument ``DataParallel`` checks
+            has the wrong type.
+        ValueError: a device spec or option ``DataParallel`` refuses, or arguments the batch
+            rules cannot split; the message names the argument and the fix.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> out = dp.data_parallel(torch.nn.Linear(4, 2), torch.randn(8, 4), ["cpu", "cpu"], -1)
+        >>> out.shape, out.device.type
+        (torch.Size([8, 2]), 'cpu')
     """
     # None means no inputs, as in torch (a forward that takes none)
     args = inputs if type(inputs) is tuple else () if inputs is None else (inputs,)

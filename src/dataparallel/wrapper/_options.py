@@ -19,6 +19,7 @@ from torch import nn
 from dataparallel.devices import check_runnable, resolve_devices, target_device
 from dataparallel.gather import check_output_rules, check_scalars
 from dataparallel.plan import build_plan
+from dataparallel.wrapper._check_option import check_every_option, check_option
 from dataparallel.wrapper._peft_class import class_for
 
 __all__ = ["CHECKED", "PLAN_OPTIONS", "check_module", "check_plan_options"]
@@ -133,6 +134,8 @@ CHECKED: dict[str, Callable[[Wrapper, Any], Any]] = {
     "scalars": lambda w, v: check_scalars(v),
     "scalar_weights": lambda w, v: check_scalar_weights(v),
     "output_rules": lambda w, v: check_output_rules(v),
+    "check_mode": lambda w, v: check_option(v),
+    "check_every": lambda w, v: check_every_option(v),
 }
 
 

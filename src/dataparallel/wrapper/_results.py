@@ -22,7 +22,23 @@ class CallStats:
     """The load of the last call: one row per chunk (device, samples, seconds).
 
     A replica that takes much longer than the others for the same samples is a slow device;
-    ``weights=`` or ``chunk_sizes=`` can even the load out.
+    ``weights=`` or ``chunk_sizes=`` can even the load out. Made by the wrapper, read from
+    ``wrapper.last_call``; ``print`` shows it as a table.
+
+    Attributes:
+        devices (list[str]): each chunk's device, in batch order (``"cpu"``, ``"cuda:1"``).
+        chunk_sizes (list[int]): each chunk's samples (a device runs a chunk per wave).
+        timers (list): each chunk's time, as ``seconds`` reads it.
+        waves (int): how many waves the call ran in (more than one under ``max_size``).
+        seconds (list[float]): each chunk's time in seconds.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> model = dp.DataParallel(torch.nn.Linear(3, 1), ["cpu", "cpu"], max_size=2)
+        >>> _ = model(torch.zeros(6, 3))
+        >>> stats = model.last_call
+        >>> stats.devices, stats.chunk_sizes, stats.waves, len(stats.seconds)
+        (['cpu', 'cpu', 'cpu', 'cpu'], [2, 1, 2, 1], 2, 4)
     """
 
     devices: list[str]
@@ -54,6 +70,17 @@ class DeviceOutputs(list[Any]):
 
     A list (one output per chunk) that also carries ``devices`` and ``chunk_sizes``, so that
     ``DataParallelCriterion`` or your own code can finish the work on each device.
+
+    Attributes:
+        devices (list[torch.device]): the device each output is on.
+        chunk_sizes (list[int]): the samples each output was computed from.
+
+    Example:
+        >>> import torch, dataparallel as dp
+        >>> model = dp.DataParallel(torch.nn.Linear(3, 1), ["cpu", "cpu"], gather=False)
+        >>> outs = model(torch.zeros(5, 3))
+        >>> [o.shape[0] for o in outs], outs.chunk_sizes, [d.type for d in outs.devices]
+        ([3, 2], [3, 2], ['cpu', 'cpu'])
     """
 
     def __init__(
@@ -89,6 +116,14 @@ def record(state: dict[str, Any], value: CallStats | Load | None) -> None:
 class LastCall:
     """``wrapper.last_call``: the load of this thread's last call through the wrapper
     (``None`` before one); assigning it records the value for this thread."""
+
+    def __init__(self) -> None:
+        # help() and the reference show an attribute's own text, not its class's
+        self.__doc__ = (
+            "The load of this thread's last call through the wrapper, a ``CallStats`` (its\n"
+            "devices, chunk sizes, seconds and waves), or ``None`` before a call.\n\n"
+            "Each thread sees its own; ``print(w.last_call)`` shows one row per replica."
+        )
 
     @overload
     def __get__(self, wrapper: None, owner: type) -> LastCall: ...

@@ -32,6 +32,32 @@ __all__ = ["STEP_METHODS", "StepCall", "StepMethod", "mmengine_train_step", "ste
 
 STEP_METHODS = ("train_step", "val_step", "test_step")
 
+_SPLIT = """Run the module's ``{name}`` split over the replicas, as ``forward`` runs.
+
+Present only where the module has it (``hasattr(wrapper, "{name}")`` is the module's
+answer). Each replica runs ``module.{name}`` on its chunk of the arguments, split by the
+batch rules as a call's are; the outputs are gathered as a call's are, and ``num_samples``
+(mmcv's per-chunk count) is summed.
+{more}
+Returns:
+    The gathered output of ``module.{name}``.
+
+Raises:
+    AttributeError: the module has no ``{name}``.
+"""
+_STEP_DOCS = {
+    "train_step": _SPLIT.format(
+        name="train_step",
+        more="\nmmengine's ``train_step(data, optim_wrapper)`` runs as its own wrappers run it:"
+        "\nthe data preprocessor, the forward in ``mode='loss'`` over the replicas, then"
+        "\n``parse_losses`` and ``optim_wrapper.update_params`` once; it returns ``log_vars``.\n",
+    ),
+    "val_step": _SPLIT.format(name="val_step", more="\nmmengine's preprocesses, then predicts.\n"),
+    "test_step": _SPLIT.format(
+        name="test_step", more="\nmmengine's preprocesses, then predicts.\n"
+    ),
+}
+
 
 class StepMethod:
     """``wrapper.<name>``: the module's step method run through the pipeline, present only
@@ -39,6 +65,9 @@ class StepMethod:
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        # help() and the reference list it as a method, with its own text
+        self.__name__ = self.__qualname__ = name
+        self.__doc__ = _STEP_DOCS[name]
 
     def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
         if wrapper is None:

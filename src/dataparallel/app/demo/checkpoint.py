@@ -22,8 +22,9 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from dataparallel._common.digest import digest_damage, with_digest, zip_damage
 from dataparallel.app.demo.data import DemoData
-from dataparallel.app.demo.options import EpochStats, TrainOptions, UsageError
+from dataparallel.app.demo.options import EpochStats, TrainingError, TrainOptions, UsageError
 from dataparallel.app.demo.report import print_epoch
 
 __all__ = [
@@ -49,6 +50,8 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
 
     A crash mid-write leaves the previous checkpoint intact, never a truncated one; the temp
     files that such a crash (or a ``SIGKILL``) leaves behind are removed by the next write.
+    The file carries the SHA-256 of its contents (``"checksum"``), which
+    :func:`load_checkpoint` checks before a resume.
     """
     target = Path(path)
     folder = target.parent
@@ -56,7 +59,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> None
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(with_digest(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -99,12 +102,19 @@ def _remove_stale_temps(target: Path) -> None:
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``: no code runs).
 
+    A damaged file is refused before any of it is used: each record against the CRC-32 the zip
+    holds for it, then the contents against the SHA-256 written with them. A checkpoint written
+    before the SHA-256 was (issue 63) has none, and is checked by its CRC-32s alone.
+
     Raises:
-        UsageError: the file is missing, unreadable, or not a checkpoint of this demo.
+        UsageError: the file is missing, unreadable, damaged, or not a checkpoint of this demo.
     """
     fix = "fix: point --checkpoint at a file written by `dataparallel train`, or drop --resume"
     if not Path(path).is_file():
         raise UsageError(f"--checkpoint {str(path)!r}: no such file to resume from; {fix}")
+    damage = zip_damage(path)
+    if damage is not None:
+        raise UsageError(_damaged(path, damage))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -125,7 +135,19 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"--checkpoint {str(path)!r}: expected format {CHECKPOINT_FORMAT!r}, got {found!r}; "
             f"{fix}"
         )
+    damage = digest_damage(state)
+    if damage is not None:
+        raise UsageError(_damaged(path, damage))
     return state
+
+
+def _damaged(path: str | os.PathLike[str], damage: str) -> str:
+    return (
+        f"--checkpoint {str(path)!r}: expected the checkpoint as it was written, found it "
+        f"damaged ({damage}); nothing was resumed from it, and the file is kept as it is; "
+        f"resume from a copy you trust, or start a new run without --resume (--overwrite "
+        f"replaces the file)"
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -304,9 +326,22 @@ def end_epoch(
     """Close an epoch: write the checkpoint to ``path`` (when given) before the epoch's line, so
     the line means it is kept; print the line; on the run's ``first`` epoch, say where it wrote
     (once: the file is rewritten every epoch). ``state`` builds the checkpoint only if needed.
+
+    Raises:
+        TrainingError: the checkpoint could not be written (the disk is full, say); the
+            previous one is kept as it was, and no temp file is left.
     """
     if path:
-        save_checkpoint(path, state())
+        try:
+            save_checkpoint(path, state())
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            raise TrainingError(
+                f"--checkpoint {path!r}: expected to write the checkpoint of epoch "
+                f"{stats.epoch}, got {type(exc).__name__} ({reason}); the previous checkpoint "
+                f"is kept as it was and no temp file is left; make room (or point --checkpoint "
+                f"at another disk) and continue with --checkpoint {path} --resume"
+            ) from None
     print_epoch(stats, epochs, out)
     if path and first:
         print(checkpoint_message(path, stats.epoch), file=out, flush=True)

@@ -53,8 +53,9 @@ class UsageError(Exception):
 
 
 class TrainingError(Exception):
-    """Training cannot go on (the loss is no longer finite): one line, exit code 3. The last
-    complete checkpoint, if any, is kept as it was."""
+    """Training cannot go on (the loss is no longer finite, or the disk cannot hold the next
+    checkpoint): one line, exit code 3. The last complete checkpoint, if any, is kept as it
+    was."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -323,11 +323,11 @@ def run_train(opts: TrainOptions, argv: Sequence[str], out: TextIO | None = None
 
             return launch(list(argv), nproc_per_node=opts.nproc_per_node)
         result = train(opts, stream)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if opts.checkpoint and os.path.isfile(opts.checkpoint):
-            raise KeyboardInterrupt(
-                f"{opts.checkpoint} keeps the last complete epoch; continue with --resume"
-            ) from None
+            what = [str(exc)] if str(exc) else []  # (which worker, under ddp)
+            kept = f"{opts.checkpoint} keeps the last complete epoch; continue with --resume"
+            raise KeyboardInterrupt("; ".join([*what, kept])) from None
         raise
     if result is None:
         return 0

@@ -1,0 +1,110 @@
+"""``python -m benchmarks.bench_carried_data [--calls N] [--out FILE]``: the cost of a wrapped
+call when the module carries data that leads to no module (issue 60, item 3).
+
+A small MLP on two CPU replicas, in inference, with nothing attached (the bare call), then with
+each of: a vocabulary dict of 50,000 words, an index-to-word list of 50,000 strings, 30,000
+small record dicts, and a forward hook whose history list gets one record per call (timed after
+3,000 calls, and again after ``--calls`` more). Each row: the best of 5 rounds of the median
+call, and its ratio to the bare call measured in the same run, and whether the replicas ran
+serially (a search cut short). Goal: every ratio at most 1.3, the history row flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.replicate import serial_mark
+
+__all__ = ["main"]
+
+_X = torch.randn(16, 32)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _time(wrapper: Any, calls: int = 200, rounds: int = 5) -> float:
+    """The best of ``rounds`` medians of ``calls`` timed calls, in microseconds."""
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(rounds):
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                wrapper(_X)
+                times.append(time.perf_counter() - start)
+            best = min(best, statistics.median(times))
+    return best * 1e6
+
+
+def _serial(model: nn.Module) -> bool:
+    return serial_mark(dp.replicate(model, ["cpu", "cpu"])) is not None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    bare = _time(dp.DataParallel(_model(), ["cpu", "cpu"]))
+    rows.append({"case": "bare", "us": round(bare, 1), "ratio": 1.0, "serial": False})
+
+    def row(name: str, model: nn.Module, us: float) -> None:
+        rows.append(
+            {
+                "case": name,
+                "us": round(us, 1),
+                "ratio": round(us / bare, 2),
+                "serial": _serial(model),
+            }
+        )
+
+    model = _model()
+    model.vocab = {f"word{i}": i for i in range(50_000)}
+    row("vocab_dict_50k", model, _time(dp.DataParallel(model, ["cpu", "cpu"])))
+    model = _model()
+    model.itos = [f"word{i}" for i in range(50_000)]
+    row("itos_list_50k", model, _time(dp.DataParallel(model, ["cpu", "cpu"])))
+    model = _model()
+    model.records = [{"id": i, "label": f"l{i % 7}", "weight": 0.5} for i in range(30_000)]
+    row("records_30k", model, _time(dp.DataParallel(model, ["cpu", "cpu"])))
+
+    model = _model()
+    history: list[dict[str, Any]] = []
+
+    def log(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        history.append({"call": len(history), "rows": int(output.shape[0])})
+
+    model.register_forward_hook(log)
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    with torch.no_grad():
+        while len(history) < 3_000:
+            wrapper(_X)
+    row("history_hook_after_3k", model, _time(wrapper))
+    with torch.no_grad():
+        for _ in range(args.calls):
+            wrapper(_X)
+    row(f"history_hook_after_{args.calls // 1000}k_more", model, _time(wrapper))
+    report = {"benchmark": "carried_data", "unit": "us per call", "rows": rows}
+    text = json.dumps(report, indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()

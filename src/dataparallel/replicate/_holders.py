@@ -1,0 +1,117 @@
+"""The holders a replica set watches, each compared at a cost that does not grow with its data.
+
+The rebinding search (``_copy.Pass``) records every holder it read: a write to one since (a
+list that led nowhere, later given a module of the tree) means the module's replicas must be
+refilled. Comparing every item of every holder on every call made a model that only carries
+data pay for it: a vocabulary dict of 50,000 words, an index-to-word list, a logging hook's
+history that grows by one record per call. So each holder is compared by what is cheapest
+and still sees the writes that matter:
+
+- a dictionary by its write version (``torch._C._dynamo.guards.dict_version``, which moves on
+  every insertion, deletion or replacement), in one read; its items only when it moved;
+- a large list (over :data:`BIG` items) by its length and its items at :data:`SAMPLES` fixed
+  places; one that only grew (``history.append(record)``) is searched in its new part only,
+  and, when that part leads to no module of the tree, taken as it is now without a refill;
+- anything else (small holders, objects, closures) item by item, as before.
+
+What this does not see: an item replaced in the middle of a large list, away from the places
+compared (the guide says so).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from dataparallel.replicate._copy import Mapping, Pass, contents, plain_record
+
+__all__ = ["BIG", "SAMPLES", "Held"]
+
+BIG = 256  # a list longer than this is compared by length and samples
+SAMPLES = 32
+
+
+def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
+    """torch's reader of a dictionary's write version, where it is there and moves."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except ImportError:  # pragma: no cover - a torch without dynamo's guards
+        return None
+    probe: dict[str, int] = {}
+    before = dict_version(probe)
+    probe["x"] = 1
+    moved = dict_version(probe)
+    del probe["x"]
+    if before == moved or dict_version(probe) == moved:  # pragma: no cover
+        return None
+    reader: Callable[[dict[Any, Any]], int] = dict_version
+    return reader
+
+
+_VERSION = _dict_version_reader()
+
+
+class Held:
+    """One watched holder: the object, what it held when read (identities), and the cheap
+    state it is compared by first (a dictionary's version, a large list's samples)."""
+
+    __slots__ = ("held", "obj", "sample", "version")
+
+    def __init__(self, obj: Any, held: list[Any]) -> None:
+        self.obj = obj
+        self.held = held
+        self.version: int | None = None
+        self.sample: Callable[[Any], Any] | None = None
+        self._cheap()
+
+    def _cheap(self) -> None:
+        obj = self.obj
+        if _VERSION is not None and isinstance(obj, dict):
+            self.version = _VERSION(obj)
+        elif isinstance(obj, list) and len(obj) > BIG:
+            n = len(obj)
+            places = sorted({*range(0, n, max(1, n // SAMPLES)), n - 1})
+            self.sample = operator.itemgetter(*places)
+
+    def still(self, probe: Mapping) -> bool:
+        """Whether the holder holds what it held, or only grew by items that lead to no module
+        of the tree (``probe``: the tree's module ids); then taken as it is now."""
+        obj = self.obj
+        version = self.version
+        if version is not None:
+            if _VERSION is not None and _VERSION(obj) == version:
+                return True
+        elif self.sample is not None:
+            return self._list_still(obj, probe)
+        now = contents(obj)
+        held = self.held
+        if len(now) != len(held) or not all(map(operator.is_, now, held)):
+            return False
+        if version is not None:  # written back to what it held
+            self._cheap()
+        return True
+
+    def _list_still(self, obj: list[Any], probe: Mapping) -> bool:
+        held = self.held
+        n = len(held)
+        sample = self.sample
+        if len(obj) < n or sample is None:
+            return False
+        if len(obj) == n:
+            return all(map(operator.is_, sample(obj), sample(held)))
+        # Grown: the old part the same at the sampled places, the new part searched alone.
+        if not all(map(operator.is_, sample(obj), sample(held))):
+            return False
+        new = obj[n:]
+        search = Pass(probe, watch=True)
+        for item in new:
+            if not plain_record(item, type(item)) and search.rebind(item, 1) is not item:
+                return False
+        if search.cut:
+            return False
+        if search.walked:  # new holders of their own (not plain records): search it all
+            return False
+        held.extend(new)
+        self._cheap()
+        return True

@@ -1,0 +1,164 @@
+"""Forward writes seen by mechanism, on every call (issue 60, items 1-4).
+
+An EMA teacher whose first update changes no value, a teacher made after the first call, a
+write that keeps the sum and norm, and a trainable weight written in forward: each against the
+same module on one device, call after call, on CPU lists whose replicas share the parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from _close import assert_close_rel
+
+SHARED = [["cpu", "cpu"], ["cpu"] * 3]
+
+
+class Ema(nn.Module):
+    """A student and its EMA teacher (``copy.deepcopy(student)``, BYOL / mean teacher), the
+    teacher updated inside forward by ``style``: through ``.data``, by ``_foreach_lerp_``
+    (timm's ``ModelEmaV2``), or by a row rotation (a write that keeps the sum and norm)."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Linear(4, 4)
+        self.teacher = copy.deepcopy(self.student)
+        for p in self.teacher.parameters():
+            p.requires_grad = False
+        self.style = style
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            t, s = list(self.teacher.parameters()), list(self.student.parameters())
+            if self.style == "data":
+                for pt, ps in zip(t, s, strict=True):
+                    pt.data.mul_(0.5).add_(ps.data, alpha=0.5)
+            elif self.style == "foreach":
+                torch._foreach_lerp_(t, s, 0.5)
+            else:
+                self.teacher.weight.data.copy_(self.teacher.weight.data.roll(1, 0))
+        return self.student(x), self.teacher(x)
+
+
+def _step(model: nn.Module, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    model.student.weight.grad = None
+    model.student.bias.grad = None
+    (out[0].square().mean() + out[1].mean()).backward()
+    with torch.no_grad():
+        for p in model.student.parameters():
+            p -= 0.5 * p.grad
+
+
+@pytest.mark.parametrize("devices", SHARED, ids=str)
+@pytest.mark.parametrize("style", ["data", "foreach", "rotate"])
+def test_an_ema_teacher_written_from_its_first_call_is_written_once_per_call(
+    devices: list[str], style: str
+) -> None:
+    ref = Ema(style)
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, devices)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x = torch.randn(6, 4, generator=gen)
+        got, want = wrapper(x), ref(x)
+        # before: the teacher's output off at call 1, its weight off by 0.0133 after 4 calls
+        assert_close_rel(got[1], want[1], msg=f"teacher output, call {step}")
+        assert_close_rel(par.teacher.weight, ref.teacher.weight, msg=f"teacher, call {step}")
+        _step(ref, want)
+        _step(par, got)
+
+
+class Momentum(nn.Module):
+    """MoCo's pair, the key encoder re-made from the query encoder by ``remake()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Linear(4, 4)
+        self.remake()
+
+    def remake(self) -> None:
+        self.k = copy.deepcopy(self.q)
+        for p in self.k.parameters():
+            p.requires_grad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters(), strict=True):
+                pk.data.mul_(0.5).add_(pq.data, alpha=0.5)
+                pk.data.add_(1.0)
+        return self.q(x) + self.k(x)
+
+
+@pytest.mark.parametrize("devices", SHARED, ids=str)
+def test_a_teacher_made_after_the_first_call_is_written_once_per_call(
+    devices: list[str],
+) -> None:
+    ref = Momentum()
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, devices)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 2:  # ``self.k = copy.deepcopy(self.q)`` after the first calls
+            ref.remake()
+            par.remake()
+        x = torch.randn(6, 4, generator=gen)
+        assert_close_rel(wrapper(x), ref(x), msg=f"output, call {step}")
+        # before: the key weight off by 0.546 after 5 calls
+        assert_close_rel(par.k.weight, ref.k.weight, msg=f"k.weight, call {step}")
+
+
+class Renorm(nn.Module):
+    """A trainable weight renormalised in forward under ``no_grad`` (a max-norm
+    constraint), or by a ``.data =`` assignment."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.style = style
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.style == "in-place":
+                self.lin.weight.mul_(0.9)
+            else:
+                self.lin.weight.data = self.lin.weight.data * 0.9
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("style", ["in-place", "assign"])
+def test_a_trainable_weight_written_in_forward_is_refused_at_the_call(style: str) -> None:
+    wrapper = dp.DataParallel(Renorm(style), ["cpu", "cpu"])
+    # before: written twice per call, silently (or raced under contention)
+    with pytest.raises(RuntimeError, match=r"'lin\.weight'.*outside the wrapped call"):
+        wrapper(torch.randn(4, 4))
+
+
+def test_a_trainable_weight_written_on_separate_devices_is_not_refused() -> None:
+    ref = Renorm("in-place")
+    par = copy.deepcopy(ref)
+    x = torch.randn(4, 4)
+    out = dp.DataParallel(par, ["cpu", "cpu:1"])(x)
+    assert_close_rel(out, ref(x))
+    assert_close_rel(par.lin.weight, ref.lin.weight)
+
+
+def test_a_frozen_backbone_is_not_copied_for_the_replicas() -> None:
+    """Item 4: the replicas after the first hold copy-on-write clones of a frozen parameter
+    that forward does not write, which share the module's memory (before: a full copy per
+    extra replica at the first call in each mode)."""
+    backbone = nn.Linear(64, 64).requires_grad_(False)
+    model = nn.Sequential(backbone, nn.Linear(64, 2))
+    replicas = dp.replicate(model, ["cpu", "cpu", "cpu"])
+    for _ in range(2):
+        for rep in replicas[1:]:
+            weight = rep[0].weight
+            assert weight is not backbone.weight
+            assert weight.const_data_ptr() == backbone.weight.const_data_ptr()
+        replicas = dp.replicate(model, ["cpu", "cpu", "cpu"])
