@@ -342,3 +342,27 @@ def test_scalars_sum_and_stack_still_decide(scalars: str) -> None:
     got = dp.DataParallel(model, ["cpu", "cpu"], scalars=scalars)(feats, labels)[0]
     want = parts[0] + parts[1] if scalars == "sum" else torch.stack(parts)
     assert_close_rel(got, want)
+
+
+def test_a_loss_changed_in_place_keeps_check_in_step() -> None:
+    """Trainer scales the loss in place (``loss *= loss_scale``) before its backward: a view
+    would lose check='s gradient hook there, its one-device copy would miss the optimizer
+    step, and the next call would be reported as a difference (the HF corpus programs)."""
+    model = Segmenter()
+    ref = copy.deepcopy(model)
+    wrapped = dp.DataParallel(model, ["cpu", "cpu"], check="raise")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    for n in (4, 6):  # a new signature each step: both calls are checked
+        images = torch.randn(n, 3, 2, 2, generator=gen)
+        labels = torch.randint(0, 3, (n, 2, 2), generator=gen)
+        labels[0] = 255
+        for m, o in ((wrapped, opt), (ref, ref_opt)):
+            loss = m(images, labels=labels)["loss"]
+            loss *= 1  # in place, as Trainer does
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert_close_rel(p, q)

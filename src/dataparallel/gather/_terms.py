@@ -423,7 +423,11 @@ def gather_terms(
         if not isinstance(total, torch.Tensor):
             total = torch.as_tensor(total, device=ctx.target)
         first = plain(first)
-        total = total.to(first.dtype).reshape(first.shape)
+        total = total.to(first.dtype)
+        if total.shape != first.shape or total._base is not None:
+            # A fresh tensor, never a view: a hook on a view (check='s at backward) is lost
+            # when the caller changes it in place (Trainer's ``loss *= loss_scale``).
+            total = total.reshape(first.shape).clone()
         return total if first.requires_grad else total.detach()
     _tell(path, ctx, untold, "the whole loss is the chunk-size mean of the chunks' values")
     return fallback([plain(v) for v in values])
