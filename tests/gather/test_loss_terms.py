@@ -366,3 +366,20 @@ def test_a_loss_changed_in_place_keeps_check_in_step() -> None:
             o.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert_close_rel(p, q)
+
+
+class PassThrough(nn.Module):
+    """Returns its marked inputs as they came, at the places gather takes whole: per-sample
+    records (a list of dicts), a list and a dict beside the logits."""
+
+    def forward(self, ids: torch.Tensor, records: list[dict[str, Any]]) -> Any:
+        return {"ids": ids, "records": records, "pair": [ids, ids + 1], "float": ids * 0.5}
+
+
+def test_marked_inputs_come_back_plain() -> None:
+    ids = torch.arange(6)
+    records = [{"id": i, "w": torch.full((2,), float(i))} for i in range(6)]
+    out = dp.DataParallel(PassThrough(), ["cpu", "cpu"])(ids, records)
+    found = [out["ids"], *out["pair"], out["float"], *(r["w"] for r in out["records"])]
+    assert [type(t) for t in found] == [torch.Tensor] * len(found)
+    assert torch.equal(out["ids"], ids) and torch.equal(out["records"][3]["w"], records[3]["w"])

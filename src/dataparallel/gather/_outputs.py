@@ -34,6 +34,7 @@ from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuil
 
 __all__ = [
     "ATOMS",
+    "Mark",
     "Path",
     "all_equal",
     "arrays_equal",
@@ -97,10 +98,19 @@ def fmt_attributes(path: Path) -> str | None:
     return "output" + "".join(reversed(parts)) if found else None
 
 
+class Mark(torch.Tensor):
+    """What the marks on a chunk's data (``_terms``' ``Target``) share: the user passed a
+    plain tensor, and gets one back, whichever rule returns it."""
+
+
 def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
     """``t`` on ``target``: itself where it is there already, else moved by torch's own
     ``Tensor.to``, never a subclass's Python ``to`` (BigGAN's ``Distribution.to`` reads
-    attributes its slices lack), as ``torch._C._gather`` moves it."""
+    attributes its slices lack), as ``torch._C._gather`` moves it. A marked chunk's data
+    passed through (``Mark``) comes back plain."""
+    if isinstance(t, Mark):
+        with torch._C.DisableTorchFunctionSubclass():
+            t = t.as_subclass(torch.Tensor)
     return t if t.device == target else _TO(t, target)
 
 

@@ -45,7 +45,7 @@ from torch.overrides import get_default_nowrap_functions
 
 from dataparallel._common.warn import warn_user
 from dataparallel.gather._counted import is_counted, unmark
-from dataparallel.gather._outputs import fmt, sum_all
+from dataparallel.gather._outputs import Mark, fmt, sum_all
 
 __all__ = [
     "Term",
@@ -86,7 +86,7 @@ _ESCAPES = frozenset({T.item, T.tolist, T.__float__, T.__int__})
 _SELECT = frozenset({T.__getitem__, T.index_select, torch.index_select, T.gather, torch.gather})
 
 
-class _Marked(torch.Tensor):
+class _Marked(Mark):
     """What every mark shares: torch ops on it are run plain, then marked by ``_follow``."""
 
     @classmethod
