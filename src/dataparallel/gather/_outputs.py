@@ -40,7 +40,6 @@ __all__ = [
     "arrays_equal",
     "fmt",
     "fmt_attributes",
-    "is_loss_path",
     "move",
     "rebuild_at",
     "sum_all",
@@ -61,16 +60,6 @@ Path = Any
 # ``out["logits"]`` and ``out.logits``: the messages print the first (the model outputs' own
 # ``keys()`` are what is walked), and ``output_rules`` accepts either (``fmt_attributes``).
 FIELD = "@"
-
-
-def is_loss_path(path: Any) -> bool:
-    """Whether ``path`` is where a model returns its loss: the whole output, its ``"loss"``
-    (a dict key, a model-output field, an attribute), or the first item of a tuple or list
-    (transformers' ``return_dict=False``)."""
-    if path is None:
-        return True
-    parent, _, key = path
-    return parent is None and (key == "loss" or (type(key) is int and key == 0))
 
 
 def fmt(path: Path) -> str:
