@@ -264,6 +264,8 @@ def test_what_cannot_be_re_formed_is_told_once_per_place(
     assert told[0].startswith("output['loss']: ") and what in told[0]
     assert "scalar_weights=" in told[0]
     assert out.shape == () and torch.isfinite(out)
+    if make is RouterLoss:  # a one-value loss: by how much another weighing could move it
+        assert "(the chunks' values are " in told[0] and "otherwise, up to " in told[0]
 
 
 def test_scalar_weights_are_called_only_when_a_mean_needs_them() -> None:

@@ -429,7 +429,7 @@ def gather_terms(
             # when the caller changes it in place (Trainer's ``loss *= loss_scale``).
             total = total.reshape(first.shape).clone()
         return total if first.requires_grad else total.detach()
-    _tell(path, ctx, untold, "the whole loss is the chunk-size mean of the chunks' values")
+    _tell(path, ctx, untold, "the whole loss is the chunk-size mean of the chunks' values", values)
     return fallback([plain(v) for v in values])
 
 
@@ -462,16 +462,24 @@ def _part(values: list[Any], k: int, path: Any, ctx: Any) -> Any:
     return sum_all([c * w for c, w in zip(consts, ctx.weights, strict=True) if w])
 
 
-def _tell(path: Any, ctx: Any, what: str, kept: str) -> None:
-    """One warning per wrapper and place (``ctx.warned``) for a term not re-formed."""
+def _tell(path: Any, ctx: Any, what: str, kept: str, values: Any = None) -> None:
+    """One warning per wrapper and place (``ctx.warned``) for a term not re-formed; with the
+    chunks' one-value losses (``values``), by how much another weighing could move it."""
     where = fmt(path)
     key = ("loss-term", where, kept)  # (what may name values: once per kind of term)
     if ctx.warned is not None:
         if key in ctx.warned:
             return
         ctx.warned.add(key)
+    much = ""
+    if values is not None and all(v.numel() == 1 for v in values):
+        found = [float(plain(v).detach().reshape(())) for v in values]
+        kept_value = sum(x * w for x, w in zip(found, ctx.weights, strict=True) if w)
+        off = max(abs(x - kept_value) for x in found)
+        listed = ", ".join(f"{x:.6g}" for x in found)
+        much = f" (the chunks' values are {listed}: weighed otherwise, up to {off:.3g} from it)"
     warn_user(
         f"{where}: this loss holds {what}, which cannot be re-formed over the whole batch: "
-        f"{kept}, not the one-device value. Pass scalar_weights=lambda args, kwargs: <the "
+        f"{kept}{much}, not the one-device value. Pass scalar_weights=lambda args, kwargs: <the "
         f"chunk's weight> to weigh the loss, or return the terms apart"
     )
