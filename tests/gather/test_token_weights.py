@@ -69,9 +69,13 @@ def test_data_parallel_scalar_weights_give_the_one_device_token_mean() -> None:
     x, labels = _batch()
     model = MeanOverTokens()
     ref = model(x, labels)["loss"]
+    # by default the loss is re-formed from cross_entropy's own ignore_index (-1, issue 59)
     plain = dp.DataParallel(model, ["cpu", "cpu", "cpu"])(x, labels)["loss"]
-    # chunk sizes are the wrong weights here, and the unlabelled chunk's NaN poisons the mean
-    assert not math.isclose(plain.item(), ref.item(), rel_tol=1e-3)
+    assert plain.item() == pytest.approx(ref.item(), rel=1e-6)
+    # scalar_weights replace that: chunk sizes are the wrong weights, and the unlabelled
+    # chunk's NaN poisons the mean
+    by_size = dp.DataParallel(model, ["cpu", "cpu", "cpu"], scalar_weights=lambda a, kw: 1)
+    assert not math.isclose(by_size(x, labels)["loss"].item(), ref.item(), rel_tol=1e-3)
     wrapped = dp.DataParallel(
         model, ["cpu", "cpu", "cpu"], scalar_weights=lambda args, kw: (args[1] != -1).sum()
     )

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import dataparallel as dp
-from dataparallel.wrapper._labels import shifts_labels
 
 from ._models import SEQ, VOCAB, tiny_gpt2, tiny_llama
 from ._oracle import LAYOUTS, record
@@ -210,18 +209,6 @@ def test_scalar_weights_still_decide() -> None:
     parts = [model(**{k: v[i : i + 2] for k, v in data.items()}).loss for i in (0, 2)]
     got = dp.DataParallel(model, ["cpu", "cpu"], scalar_weights=lambda a, kw: 1)(**data).loss
     assert _rel(got.detach(), ((parts[0] + parts[1]) / 2).detach()) <= RTOL
-
-
-def test_which_models_shift_their_labels() -> None:
-    """As Trainer counts num_items_in_batch: causal LMs (GPT-2's unset loss_type included),
-    never an encoder-decoder, a masked LM or a token classifier."""
-    assert shifts_labels(tiny_gpt2()) and shifts_labels(tiny_llama())
-    gpt2 = tiny_gpt2()
-    gpt2.loss_type = None
-    assert shifts_labels(gpt2)  # its loss_function falls back to the causal LM's
-    assert not shifts_labels(tiny_t5())
-    assert not shifts_labels(tiny_bert_mlm()) and not shifts_labels(tiny_bert_tokens())
-    assert not shifts_labels(_Classifier())
 
 
 # -- under Trainer ----------------------------------------------------------------------------

@@ -178,8 +178,8 @@ def test_explain_says_the_count_is_whole_and_its_outputs_summed() -> None:
     assert plan.notes and "receives the whole count" in plan.notes[0]
     assert "note: num_items_in_batch=" in str(plan)
     assert "(args[2])" in wrapper.explain(ids, labels, 13).notes[0]  # by position
-    notes = wrapper.explain(ids, labels).notes  # no count: the labels' rule alone
-    assert len(notes) == 1 and notes[0].startswith("labels: ")
+    notes = wrapper.explain(ids, labels).notes  # no count: the loss terms' rule alone
+    assert len(notes) == 1 and notes[0].startswith("scalar outputs: ")
     assert not dp.DataParallel(TokenLM(), ["cpu"]).explain(ids, labels, 13).notes  # one chunk
 
 
@@ -272,6 +272,7 @@ class Escapes(TokenLM):
     def __init__(self, how: str) -> None:
         super().__init__("dict")
         self.how = how
+        self.hand = False
 
     def forward(
         self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
@@ -279,10 +280,25 @@ class Escapes(TokenLM):
         n = num_items_in_batch
         plain = n.item() if self.how == "item" else float(n)
         logits = self.head(self.emb(ids))
-        flat = nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-        )
+        if self.hand:  # a loss no torch loss function built: nothing tells what it is
+            picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])
+            flat = -(picked[..., 0] * (labels != -100)).sum()
+        else:
+            flat = nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+            )
         return {"loss": flat / plain, "logits": logits}
+
+
+@pytest.mark.parametrize("how", ["item", "float"])
+def test_a_count_turned_into_a_plain_number_divides_a_summed_cross_entropy(how: str) -> None:
+    """cross_entropy's sum over the whole count, a Python number equal on every chunk: a
+    constant multiple of a sum, summed (issue 59; before, refused)."""
+    ids, labels, count = _batch()
+    given = count if how == "item" else int(count)
+    model = Escapes(how)
+    out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=given)
+    assert_close_rel(out["loss"], model(ids, labels, num_items_in_batch=given)["loss"])
 
 
 @pytest.mark.parametrize("how", ["item", "float"])
@@ -290,6 +306,7 @@ def test_a_count_turned_into_a_plain_number_is_refused_naming_the_rule(how: str)
     ids, labels, count = _batch()
     given = count if how == "item" else int(count)
     model = Escapes(how)
+    model.hand = True
     with pytest.raises(ValueError, match="num_items_in_batch into a plain number") as err:
         dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=given)
     assert """output_rules={"output['loss']": 'sum'}""" in str(err.value)

@@ -3,8 +3,8 @@
 ``_gather`` walks the outputs under the gather rules; beside it, one job each: scalars and
 counts (``_scalars``), values the replicas received rather than computed (``_origins``), paths,
 moves and equality of outputs (``_outputs``), outputs computed from
-``num_items_in_batch`` (``_counted``), ``output_rules=`` (``_output_rules``) and exact
-token means (``_losses``: ``scalar_weights=`` and ``DataParallelCriterion``'s parts).
+``num_items_in_batch`` (``_counted``), ``output_rules=`` (``_output_rules``), losses re-formed
+from how forward built them (``_terms``) and ``DataParallelCriterion``'s parts (``_losses``).
 
 Other folders import this stage through this module, never its private modules: ``__all__``
 is its interface (``dataparallel`` re-exports the public names).
@@ -31,6 +31,13 @@ from dataparallel.gather._losses import (
 )
 from dataparallel.gather._origins import Origins
 from dataparallel.gather._output_rules import check_output_rules
+from dataparallel.gather._terms import (
+    is_marked,
+    mark_targets,
+    plain,
+    terms_note,
+    unmark_inputs,
+)
 
 __all__ = [
     "COUNT_KEYWORD",
@@ -50,5 +57,10 @@ __all__ = [
     "gather_outputs",
     "is_counted",
     "is_exact_mean",
+    "is_marked",
+    "mark_targets",
+    "plain",
+    "terms_note",
     "unmark",
+    "unmark_inputs",
 ]

@@ -40,7 +40,6 @@ from dataparallel.gather._output_rules import (
     warn_unmatched,
 )
 from dataparallel.gather._outputs import (
-    is_loss_path,
     to_target,
 )
 from dataparallel.gather._walk import walk
@@ -64,12 +63,11 @@ class _Context:
     """What every step of one gather needs; built once per call."""
 
     __slots__ = (
-        "_labels",
         "_weigh",
+        "_weights",
         "count",
         "counts",
         "dim",
-        "labelled",
         "module",
         "origins",
         "roles",
@@ -105,11 +103,9 @@ class _Context:
             self.counts = scalar_weights  # e.g. each chunk's count of labelled tokens
         self.total = sum(self.counts)
         self.weights = tuple(c / self.total for c in self.counts)
-        # The wrapper's count of each chunk's label tokens (a call that passes labels), read
-        # only when the loss's mean needs it (one sync per call on CUDA): see ``counts_at``.
+        # The wrapper's scalar_weights, called only when a mean needs them: see ``counts_at``.
         self._weigh = weigh
-        self._labels: tuple[float, ...] | None = None
-        self.labelled = weigh is not None
+        self._weights: tuple[float, ...] | None = None
         self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
@@ -128,15 +124,15 @@ class _Context:
         self.squeezed: list[tuple[str, str]] = []
 
     def counts_at(self, path: Any) -> tuple[float, ...]:
-        """Each replica's weight in the ``"mean"`` of the output at ``path``: its chunk's count
-        of label tokens for the loss of a call that passes labels (``is_loss_path``), else
-        ``counts`` (chunk sizes, or the caller's ``scalar_weights``)."""
-        if self._weigh is None or not is_loss_path(path):
+        """Each replica's weight in the ``"mean"`` of the output at ``path``: the wrapper's
+        ``scalar_weights`` where it has them (read on first need), else ``counts`` (chunk
+        sizes, or ``gather``'s ``scalar_weights``)."""
+        if self._weigh is None:
             return self.counts
-        if self._labels is None:
+        if self._weights is None:
             found = self._weigh()
-            self._labels = tuple(found) if found is not None and sum(found) > 0 else self.counts
-        return self._labels
+            self._weights = tuple(found) if found is not None and sum(found) > 0 else self.counts
+        return self._weights
 
     def weights_at(self, path: Any) -> tuple[float, ...]:
         """``counts_at(path)`` over their sum: the factors of that output's ``"mean"``."""
@@ -264,7 +260,7 @@ def gather_outputs(
     ``count`` (a ``dataparallel.gather._counted.CountRecord``) is the call's when each replica
     received a marked ``num_items_in_batch``: outputs computed from it are summed (``_counted``).
     ``weigh`` (no ``scalar_weights`` given) returns each replica's weight in a ``"mean"``, read
-    only when a mean needs it: the wrapper's count of each chunk's label tokens.
+    only when a mean needs it: the wrapper's ``scalar_weights``.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:

@@ -34,12 +34,12 @@ from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuil
 
 __all__ = [
     "ATOMS",
+    "Mark",
     "Path",
     "all_equal",
     "arrays_equal",
     "fmt",
     "fmt_attributes",
-    "is_loss_path",
     "move",
     "rebuild_at",
     "sum_all",
@@ -60,16 +60,6 @@ Path = Any
 # ``out["logits"]`` and ``out.logits``: the messages print the first (the model outputs' own
 # ``keys()`` are what is walked), and ``output_rules`` accepts either (``fmt_attributes``).
 FIELD = "@"
-
-
-def is_loss_path(path: Any) -> bool:
-    """Whether ``path`` is where a model returns its loss: the whole output, its ``"loss"``
-    (a dict key, a model-output field, an attribute), or the first item of a tuple or list
-    (transformers' ``return_dict=False``)."""
-    if path is None:
-        return True
-    parent, _, key = path
-    return parent is None and (key == "loss" or (type(key) is int and key == 0))
 
 
 def fmt(path: Path) -> str:
@@ -97,10 +87,19 @@ def fmt_attributes(path: Path) -> str | None:
     return "output" + "".join(reversed(parts)) if found else None
 
 
+class Mark(torch.Tensor):
+    """What the marks on a chunk's data (``_terms``' ``Target``) share: the user passed a
+    plain tensor, and gets one back, whichever rule returns it."""
+
+
 def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
     """``t`` on ``target``: itself where it is there already, else moved by torch's own
     ``Tensor.to``, never a subclass's Python ``to`` (BigGAN's ``Distribution.to`` reads
-    attributes its slices lack), as ``torch._C._gather`` moves it."""
+    attributes its slices lack), as ``torch._C._gather`` moves it. A marked chunk's data
+    passed through (``Mark``) comes back plain."""
+    if isinstance(t, Mark):
+        with torch._C.DisableTorchFunctionSubclass():
+            t = t.as_subclass(torch.Tensor)
     return t if t.device == target else _TO(t, target)
 
 

@@ -18,14 +18,7 @@ import torch
 
 from dataparallel.gather._counted import check_unmarked
 from dataparallel.gather._output_rules import warn_even_count
-from dataparallel.gather._outputs import (
-    all_equal,
-    arrays_equal,
-    fmt,
-    is_loss_path,
-    move,
-    sum_all,
-)
+from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
 
 __all__ = ["gather_scalars"]
 
@@ -95,8 +88,8 @@ def _check_squeezed(values: list[Any], path: _Path, ctx: _Ctx) -> None:
     received (a buffer, a broadcast input)."""
     if not all(isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 for v in values):
         return  # Python numbers are counts or constants (_gather_ints), not squeezed tensors
-    if _one_value(values, ctx) or (ctx.labelled and is_loss_path(path)):
-        return  # (a call that passes labels: its loss is a mean over the chunk's label tokens)
+    if _one_value(values, ctx):
+        return
     summed = ctx.scalars == "sum" or not any(
         v.dtype.is_floating_point or v.dtype.is_complex
         if isinstance(v, torch.Tensor)
@@ -138,7 +131,7 @@ def _is_bool(value: Any) -> bool:
 
 def _tensor_mean(tensors: list[torch.Tensor], weights: tuple[float, ...]) -> torch.Tensor:
     # Weights (not counts) multiply, so a float16 loss cannot overflow.
-    # A replica of weight 0 adds nothing, not 0 * NaN (a chunk with no labelled token).
+    # A replica of weight 0 adds nothing, not 0 * NaN (a chunk whose loss has no element).
     mean = sum_all([t * w for t, w in zip(tensors, weights, strict=True) if w])
     if any(t.requires_grad for t in tensors):
         return mean  # a loss: its gradient must be the weighted one, even where values agree

@@ -64,6 +64,7 @@ from dataparallel.gather._outputs import (
     to_target,
 )
 from dataparallel.gather._scalars import gather_scalars
+from dataparallel.gather._terms import Term, gather_terms, is_marked, plain
 
 __all__ = ["walk"]
 
@@ -83,17 +84,20 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         where = fmt(path)
         ctx.seen.append(where)
         if where in ctx.rules:
-            if ctx.count is not None:  # the user's rule decides: the marks go
-                values = [unmark(v) for v in values]
+            values = [plain(unmark(v)) for v in values]  # the user's rule decides: marks go
             return apply_rule(values, where, ctx.rules[where], ctx, _concat)
         alias = fmt_attributes(path)  # a model output's field as an attribute: output.logits
         if alias is not None and alias in ctx.rules:
             ctx.seen.append(alias)
-            if ctx.count is not None:  # the user's rule decides: the marks go
-                values = [unmark(v) for v in values]
+            values = [plain(unmark(v)) for v in values]  # the user's rule decides: marks go
             return apply_rule(values, where, ctx.rules[alias], ctx, _concat)
     if ctx.count is not None and any(map(is_counted, values)):  # computed from the count
         return gather_counted(values, path, ctx, lambda plain: _gather_arrays(plain, path, ctx))
+    if any(map(is_marked, values)):  # a loss's terms (_terms), or marked data passed through
+        terms = [v for v in values if isinstance(v, Term)]
+        if terms and (ctx.scalars == "mean" or any(v.counted for v in terms)):
+            return gather_terms(values, path, ctx, lambda vs: walk(vs, path, ctx))
+        values = [plain(v) for v in values]
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:

@@ -26,6 +26,8 @@ from dataparallel.gather import (
     check_scalars,
     chunk_weights,
     gather,
+    mark_targets,
+    unmark_inputs,
 )
 from dataparallel.parallel_apply import parallel_apply, wait_for
 from dataparallel.plan import Plan, build_plan
@@ -102,9 +104,10 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             ``"stack"``; outputs computed from a ``num_items_in_batch`` argument come back
             summed, as one device's (the guide's "The count, num_items_in_batch").
         gather: ``False`` returns the per-device outputs (``DeviceOutputs``) ungathered.
-        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in the
-            ``"mean"`` of scalar outputs instead of its size (its labelled tokens...); it
-            replaces the guide's "The labels' rule". Ignored when ``gather`` is overridden.
+        scalar_weights: ``f(chunk_args, chunk_kwargs) -> number``, each chunk's weight in
+            the ``"mean"`` of scalar outputs in place of its size, called only when a mean
+            needs it; it replaces the loss terms' re-forming (the guide's "How a loss is
+            gathered"). Ignored when ``gather`` is overridden.
         output_rules: ``{path: rule}`` for outputs whose shapes and values do not tell how to
             gather them, by the path gather's messages print: an int is the output's batch
             dimension (``{"output[1][0]": 1}`` for an LSTM's ``h_n`` beside its output),
@@ -279,6 +282,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         try:
             self._check_module_device()
             try:
+                inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
                 if self.__dict__.get("check_mode") is None:
                     return self._pipeline(inputs, kwargs)
                 return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
@@ -331,10 +335,13 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         devices: list[torch.device] = []
         sizes: list[int] = []
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
-        weights: list[float] = []
         # num_items_in_batch: each replica receives the whole count, marked (_partial_sums)
         slot = None if method is not None else find_count(module, inputs, kwargs)
         count = None if slot is None else CountRecord()
+        # A loss's terms are observed (gather._terms) on several chunks, unless weighed or
+        # compiled (dynamo traces plain tensors)
+        marks = self.scalar_weights is None and method is None and len(plan.slices[0]) > 1
+        marks = marks and self.__dict__.get("compile_options") is None
         # What each output's replica received, for gather to tell a buffer or input passed
         # through from a value computed per chunk (read only when a scalar needs it).
         chunk_args: list[Any] = []
@@ -344,8 +351,8 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             args, kws, wave_devices, wave_sizes = scatter_wave(
                 self, plan, wave, inputs, kwargs, steps
             )
-            if self.scalar_weights is not None:
-                weights.extend(chunk_weights(self.scalar_weights, args, kws))
+            if marks:
+                args, kws = mark_targets(args, kws)
             if count is not None:
                 args, kws = mark_chunks(count, cast("str | int", slot), args, kws)
             replicas = replicate_wave(self, wave_devices, bool(later), steps)
@@ -368,7 +375,11 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             if len(outputs) > 1
             else None
         )
-        return gather_all(self, outputs, devices, sizes, weights, steps, method, origins, count)
+        weigh = None
+        if self.scalar_weights is not None:  # read only when a mean needs them
+            fn, chunks = self.scalar_weights, (chunk_args, chunk_kws)
+            weigh = lambda: chunk_weights(fn, *chunks)  # noqa: E731
+        return gather_all(self, outputs, devices, sizes, weigh, steps, method, origins, count)
 
     # -- the steps, each honouring its override -------------------------------------------------
 
@@ -438,7 +449,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         module called through the wrapper (``w.generate(...)``, read-through) runs the module
         itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
-        weighted = self.scalar_weights is not None  # (they replace the labels' rule)
+        weighted = self.scalar_weights is not None  # (they replace the terms' re-forming)
         devices, dim = self.device_ids, self.dim
         check = self.__dict__.get("check_mode")
         return explain_call(

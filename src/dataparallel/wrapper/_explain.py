@@ -1,9 +1,9 @@
 """What ``DataParallel.explain`` says of a call: its plan, with the notes only the wrapper knows.
 
 The plan (``dataparallel.plan``) says how the arguments are split. The wrapper adds what
-depends on its module: how outputs computed from ``num_items_in_batch`` are gathered, how a loss
-over label tokens is weighed, which BatchNorm layers are synchronised over the replicas, and
-whether ``check=`` compares the call with one device's.
+depends on its module: how outputs computed from ``num_items_in_batch`` are gathered, how scalar
+outputs (a loss) are, which BatchNorm layers are synchronised over the replicas, and whether
+``check=`` compares the call with one device's.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dataparallel.gather import terms_note
 from dataparallel.parallel_apply import batchnorm_note
 from dataparallel.plan import Plan, build_plan
-from dataparallel.wrapper._labels import label_weights, labels_note
 from dataparallel.wrapper._partial_sums import find_count, summing_note
 
 __all__ = ["explain_call"]
@@ -34,17 +34,18 @@ def explain_call(
     check: str | None = None,
 ) -> Plan:
     """The plan of a call ``w(*inputs, **kwargs)`` of a wrapper of ``module`` on ``devices``,
-    with the count's, the labels' and BatchNorm's notes; runs nothing. ``weighted``: the
-    wrapper has ``scalar_weights``, which replace the labels' rule; ``check``: its check mode
-    (``_one_device``)."""
+    with the count's, the loss terms' and BatchNorm's notes; runs nothing. ``weighted``: the
+    wrapper has ``scalar_weights``, which replace the terms' re-forming; ``check``: its check
+    mode (``_one_device``)."""
     plan = build_plan(inputs, kwargs, devices, dim, **options)
     chunks = sum(len(wave) for wave in plan.slices)
     slot = find_count(module, inputs, kwargs)
     if slot is not None and chunks > 1:
         value = kwargs[slot] if isinstance(slot, str) else inputs[slot]
         plan.notes.append(summing_note(value, slot))
-    if not weighted and chunks > 1 and label_weights(module, [inputs], [kwargs]) is not None:
-        plan.notes.append(labels_note(module))
+    terms = None if weighted or chunks < 2 else terms_note(inputs, kwargs)
+    if terms:
+        plan.notes.append(terms)
     note = batchnorm_note(module, plan.waves)
     if note:
         plan.notes.append(note)

@@ -9,7 +9,7 @@ wave mechanics live here; ``Wrapper`` names what they use of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -23,13 +23,13 @@ from dataparallel.gather import (
     ScalarMode,
     first_batch_size,
     gather_outputs,
+    plain,
     unmark,
 )
 from dataparallel.parallel_apply import apply_replicas, as_arguments, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import CompiledReplicas, serial_mark
 from dataparallel.scatter import take
-from dataparallel.wrapper._labels import label_weights
 from dataparallel.wrapper._placement import copy_writes_back, plain_attributes
 from dataparallel.wrapper._results import DeviceOutputs, Load, record
 from dataparallel.wrapper._steps import StepCall, step_rules
@@ -107,7 +107,7 @@ def one_chunk(w: Wrapper, plan: Plan, steps: Overrides) -> Any:
     outputs = apply_replicas((module,), (args,), (kws,), (device,), timers)
     devices, sizes = [device], [length]
     record(w.__dict__, Load(devices, sizes, timers, 1))
-    return gather_all(w, outputs, devices, sizes, [], steps)
+    return gather_all(w, outputs, devices, sizes, None, steps)
 
 
 def scatter_wave(
@@ -218,7 +218,7 @@ def gather_all(
     outputs: list[Any],
     devices: list[torch.device],
     sizes: list[int],
-    weights: list[float],
+    weigh: Callable[[], list[float]] | None,
     steps: Overrides,
     method: str | None = None,
     origins: Origins | None = None,
@@ -226,26 +226,24 @@ def gather_all(
 ) -> Any:
     """The call's outputs gathered (or handed over, ``gather=False``, or to an overridden
     ``gather``). ``count``: the call's marks of ``num_items_in_batch``; the built-in gather
-    sums what was computed from it, and code of the user's receives plain values."""
-    if count is not None and (not w.gather_outputs or steps.gather or len(outputs) == 1):
-        outputs = [map_leaves(unmark, out) for out in outputs]
+    sums what was computed from it, and re-forms the loss terms forward built (``_terms``);
+    code of the user's receives plain values. ``weigh``: the ``scalar_weights``, read when a
+    mean needs them."""
+    user = not w.gather_outputs or steps.gather  # the user's code takes them, or one output
+    if (user and len(outputs) > 1) or (count is not None and (user or len(outputs) == 1)):
+        outputs = [map_leaves(_plain, out) for out in outputs]
     if not w.gather_outputs:
         return DeviceOutputs(outputs, devices, sizes)
     if steps.gather:
         return w.gather(outputs, w.output_device)
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__, every call)
-    weigh = (
-        None
-        if weights or w.scalar_weights is not None or origins is None or method is not None
-        else label_weights(module, origins.args, origins.kwargs)  # a loss over label tokens
-    )
     return gather_outputs(
         outputs,
         w.output_device,
         w.dim,
         None if steps.scatter else sizes,  # an override chose the chunks: read them
         w.scalars,
-        weights or None,
+        None,
         # (a wrapper unpickled from before has none)
         w.__dict__.get("output_rules")
         if method is None
@@ -256,6 +254,10 @@ def gather_all(
         count,
         weigh,
     )
+
+
+def _plain(value: Any) -> Any:
+    return plain(unmark(value))
 
 
 def warn_unbatched(w: Wrapper, plan: Plan, devices: int, inputs: Any, kwargs: Any) -> None:
