@@ -10,13 +10,18 @@ Each size is the replicas a ``DataParallel`` wrapper keeps (``ReplicaSets.replic
 CPU replicas, inference) against a fresh build of the same replicas, timed side by side. The
 slope, (cost at 2,251 - cost at 151) / 2,100, is the cost of one more module: issue 52's target
 is 0.5 µs or less without stamps. The snapshot's full comparison is also timed alone, with the
-stamps bypassed, so a 3.11 run shows what 3.12 and 3.13 pay.
+stamps bypassed, so a 3.11 run shows what 3.12 and 3.13 pay; and the staleness check a warm
+call makes, alone (``Snapshot.same`` and ``Rebinding.same``, with the stamps where the
+interpreter has them): its cost per module is issue 60's figure, recorded per Python version
+(``--out FILE`` writes the rows as JSON, with the interpreter's version).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +67,7 @@ def case_check_scaling(settings: Settings) -> list[Case]:
     cases: list[Case] = []
     cached_stats: dict[int, Stats] = {}
     compared_stats: dict[int, Stats] = {}
+    checked_stats: dict[int, Stats] = {}
     for modules in SIZES:
         net = many_module_net((modules - 1) // 5).eval()
         sets = ReplicaSets()
@@ -84,8 +90,15 @@ def case_check_scaling(settings: Settings) -> list[Case]:
         def compared(s: Snapshot = snapshot) -> object:
             return _full_comparison(s)
 
-        stats = compare({"cached": cached, "fresh": fresh, "full comparison": compared}, settings)
+        def checked(s: Snapshot = snapshot, r: Any = entry.rebinding) -> object:
+            return s.same() and r.same()  # what ``current_replicas`` asks first
+
+        stats = compare(
+            {"cached": cached, "fresh": fresh, "full comparison": compared, "check": checked},
+            settings,
+        )
         cached_stats[modules], compared_stats[modules] = stats["cached"], stats["full comparison"]
+        checked_stats[modules] = stats["check"]
         ratio, of_medians = paired_ratio(stats["cached"], stats["fresh"])
         count = len(fingerprint(net)[0])
         cases.append(
@@ -106,6 +119,7 @@ def case_check_scaling(settings: Settings) -> list[Case]:
                     "stamps": stamps.AVAILABLE,
                     "cached_us_per_module": stats["cached"].median / count * 1e6,
                     "full_comparison_us_per_module": stats["full comparison"].median / count * 1e6,
+                    "check_us_per_module": stats["check"].median / count * 1e6,
                 },
             )
         )
@@ -131,8 +145,10 @@ def case_check_scaling(settings: Settings) -> list[Case]:
             extra={
                 "stamps": stamps.AVAILABLE,
                 "full_comparison_slope_us": slope(compared_stats),
+                "check_slope_us": slope(checked_stats),
                 "cached_us": {str(k): v.median * 1e6 for k, v in cached_stats.items()},
                 "full_comparison_us": {str(k): v.median * 1e6 for k, v in compared_stats.items()},
+                "check_us": {str(k): v.median * 1e6 for k, v in checked_stats.items()},
             },
         )
     )
@@ -140,13 +156,26 @@ def case_check_scaling(settings: Settings) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the rows as JSON lines."""
+    """Print the rows as JSON lines; ``--out FILE``: write them to ``FILE`` too, as one JSON
+    document with the interpreter's version."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     for case in case_check_scaling(Settings(repeats=args.repeats, min_block_s=0.04)):
         row: dict[str, Any] = {"name": case.name, "ratio": case.ratio, **case.extra}
+        rows.append(row)
         print(json.dumps(row))
+    if args.out is not None:
+        report = {
+            "benchmark": "check_scaling",
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "stamps": stamps.AVAILABLE,
+            "rows": rows,
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -69,3 +69,24 @@ def test_a_module_appended_to_a_large_table_later_is_rebound(rows: int) -> None:
         wrapper(x)
         ref(x)
         assert par.counter.calls == ref.counter.calls, f"call {step}"
+
+
+@pytest.mark.parametrize("grown", [1, 5, 40])
+def test_a_growing_table_whose_last_item_is_replaced_by_a_module(grown: int) -> None:
+    # A history that grows by one record per call is compared at its sampled places, chosen
+    # again only once it grew by one spacing of them (9 items at 300), and at its last item:
+    # a module written over the newest record is seen after 1, 5 or 40 records.
+    ref = Carrier(300)
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    for step in range(grown + 3):
+        if step < grown:
+            for model in (ref, par):
+                model.table.append({"id": 1000 + step})
+        elif step == grown:
+            for model in (ref, par):
+                model.table[-1] = model.counter
+        wrapper(x)
+        ref(x)
+        assert par.counter.calls == ref.counter.calls, f"call {step}"

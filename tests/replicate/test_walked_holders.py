@@ -150,3 +150,65 @@ def test_a_holder_past_the_search_limits_runs_serially_with_a_warning(
     message = next(str(w.message) for w in caught if "too large" in str(w.message))
     assert "forward hook" in message and "'lin'" in message, message
     assert "one after another" in message, message
+
+
+# A module-level global a hook reads (issue 60, the warm call's cost): a function holder's
+# globals are compared by its module dictionary's write version, its own part item by item.
+_OWNER: Any = None
+_TICKS = 0
+
+
+def _global_hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    if _OWNER is not None:
+        _OWNER.calls += 1
+    return out
+
+
+def _point_global_at(value: Any) -> None:
+    global _OWNER
+    _OWNER = value
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_global_a_hook_reads_rebound_later(devices: list[str]) -> None:
+    model = Net()
+    model.lin.register_forward_hook(_global_hook)
+    wrapper = dp.DataParallel(model, devices)
+    try:
+        _run(wrapper, 4)
+        _point_global_at(model)
+        _run(wrapper, 3)
+    finally:
+        _point_global_at(None)
+    assert model.calls == 3  # once per call, as on one device
+
+
+def _ticking_hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    global _TICKS
+    _TICKS += 1  # the module's dictionary written on every call
+    return out
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS[:2], ids=str)
+def test_a_global_written_each_call_then_a_cell_rebound(devices: list[str]) -> None:
+    # The dictionary's version moves on every call (the holder is compared item by item then),
+    # and a cell of a second hook rebound later is still seen.
+    model = Net()
+    target: Any = None
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if target is not None:
+            target.calls += 1
+        return out
+
+    def point_at(value: Any) -> None:
+        nonlocal target
+        target = value
+
+    model.lin.register_forward_hook(_ticking_hook)
+    model.lin.register_forward_hook(hook)
+    wrapper = dp.DataParallel(model, devices)
+    _run(wrapper, 4)
+    point_at(model)
+    _run(wrapper, 3)
+    assert model.calls == 3

@@ -411,6 +411,17 @@ def slot_names(cls: type) -> tuple[str, ...]:
     return found
 
 
+def function_own(value: types.FunctionType) -> list[Any]:
+    """The part of a function's ``contents`` that is its own, not its module's globals: its
+    code, the values of its cells, its defaults."""
+    return [
+        value.__code__,
+        *[c.cell_contents if filled(c) else _ABSENT for c in value.__closure__ or ()],
+        *(value.__defaults__ or ()),
+        *(value.__kwdefaults__ or {}).values(),
+    ]
+
+
 def contents(value: Any) -> list[Any]:
     """What a holder holds, as identities to compare later: items, keys and values, the
     attributes of an object (its class and slots too), the code, cells and defaults of a
@@ -423,16 +434,9 @@ def contents(value: Any) -> list[Any]:
     if isinstance(value, functools.partial):
         return [value.func, *value.args, *value.keywords.values(), *value.__dict__.values()]
     if isinstance(value, types.FunctionType):
-        cells = [c.cell_contents if filled(c) else _ABSENT for c in value.__closure__ or ()]
         reads, _ = global_names(value.__code__)
         g = value.__globals__
-        return [
-            value.__code__,
-            *cells,
-            *(value.__defaults__ or ()),
-            *(value.__kwdefaults__ or {}).values(),
-            *(g.get(n, _ABSENT) for n in sorted(reads)),
-        ]
+        return [*function_own(value), *(g.get(n, _ABSENT) for n in sorted(reads))]
     kind = type(value)
     slots = [getattr(value, name, _ABSENT) for name in slot_names(kind)]
     state = getattr(value, "__dict__", None)

@@ -9,10 +9,13 @@ and still sees the writes that matter:
 
 - a dictionary by its write version (``torch._C._dynamo.guards.dict_version``, which moves on
   every insertion, deletion or replacement), in one read; its items only when it moved;
-- a large list (over :data:`BIG` items) by its length and its items at :data:`SAMPLES` fixed
-  places; one that only grew (``history.append(record)``) is searched in its new part only,
-  and, when that part leads to no module of the tree, taken as it is now without a refill;
-- anything else (small holders, objects, closures) item by item, as before.
+- a large list (over :data:`BIG` items) by its length, its last item and its items at
+  :data:`SAMPLES` fixed places (chosen again each time it grew by one spacing of them); one
+  that only grew (``history.append(record)``) is searched in its new part only, and, when that
+  part leads to no module of the tree, taken as it is now without a refill;
+- a function by its own part (code, cells, defaults) item by item, and the globals it reads
+  by its module's dictionary's write version, in one read; each of them only when it moved;
+- anything else (small holders, objects) item by item, as before.
 
 What this does not see: an item replaced in the middle of a large list, away from the places
 compared (the guide says so).
@@ -21,10 +24,11 @@ compared (the guide says so).
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Callable
 from typing import Any
 
-from dataparallel.replicate._copy import Mapping, Pass, contents, plain_record
+from dataparallel.replicate._copy import Mapping, Pass, contents, function_own, plain_record
 
 __all__ = ["BIG", "SAMPLES", "Held"]
 
@@ -56,21 +60,28 @@ class Held:
     """One watched holder: the object, what it held when read (identities), and the cheap
     state it is compared by first (a dictionary's version, a large list's samples)."""
 
-    __slots__ = ("held", "obj", "sample", "version")
+    __slots__ = ("at", "held", "obj", "own", "sample", "version")
 
     def __init__(self, obj: Any, held: list[Any]) -> None:
         self.obj = obj
         self.held = held
         self.version: int | None = None
         self.sample: Callable[[Any], Any] | None = None
+        self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
+        self.at = 0  # a large list's length when its places were chosen
         self._cheap()
 
     def _cheap(self) -> None:
         obj = self.obj
         if _VERSION is not None and isinstance(obj, dict):
             self.version = _VERSION(obj)
+        elif _VERSION is not None and isinstance(obj, types.FunctionType):
+            # Its globals are its module's dictionary's values: unchanged while that
+            # dictionary's version is (a global rebound, added or deleted moves it).
+            self.version = _VERSION(obj.__globals__)
+            self.own = len(function_own(obj))
         elif isinstance(obj, list) and len(obj) > BIG:
-            n = len(obj)
+            n = self.at = len(obj)
             places = sorted({*range(0, n, max(1, n // SAMPLES)), n - 1})
             self.sample = operator.itemgetter(*places)
 
@@ -80,8 +91,13 @@ class Held:
         obj = self.obj
         version = self.version
         if version is not None:
-            if _VERSION is not None and _VERSION(obj) == version:
-                return True
+            own = self.own
+            if not own:
+                if _VERSION is not None and _VERSION(obj) == version:
+                    return True
+            elif _VERSION is not None and _VERSION(obj.__globals__) == version:
+                now = function_own(obj)
+                return len(now) == own and all(map(operator.is_, now, self.held))
         elif self.sample is not None:
             return self._list_still(obj, probe)
         now = contents(obj)
@@ -98,20 +114,26 @@ class Held:
         sample = self.sample
         if len(obj) < n or sample is None:
             return False
+        # The sampled places, and the last item (the places are chosen again only once the
+        # list grew by one spacing of them).
+        if obj[n - 1] is not held[n - 1] or not all(map(operator.is_, sample(obj), sample(held))):
+            return False
         if len(obj) == n:
-            return all(map(operator.is_, sample(obj), sample(held)))
-        # Grown: the old part the same at the sampled places, the new part searched alone.
-        if not all(map(operator.is_, sample(obj), sample(held))):
-            return False
+            return True
+        # Grown: the old part the same where compared, the new part searched alone.
         new = obj[n:]
-        search = Pass(probe, watch=True)
+        search: Pass | None = None  # made for the first item that is not a plain record
         for item in new:
-            if not plain_record(item, type(item)) and search.rebind(item, 1) is not item:
+            if plain_record(item, type(item)):
+                continue
+            if search is None:
+                search = Pass(probe, watch=True)
+            if search.rebind(item, 1) is not item:
                 return False
-        if search.cut:
-            return False
-        if search.walked:  # new holders of their own (not plain records): search it all
+        # (cut: too large to search; walked: new holders of their own: search it all)
+        if search is not None and (search.cut or search.walked):
             return False
         held.extend(new)
-        self._cheap()
+        if len(held) - self.at >= max(1, self.at // SAMPLES):
+            self._cheap()  # new places once it grew by one spacing of them (a history: rarely)
         return True

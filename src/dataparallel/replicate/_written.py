@@ -32,6 +32,7 @@ value; a row rotation keeps the sum and norm), on every call:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,20 +48,27 @@ _IS_COW: Callable[[torch.Tensor], bool] = torch._C._is_cow_tensor  # type: ignor
 _LAZY_CLONE = torch._lazy_clone
 # The data address without the copy ``data_ptr`` makes of a copy-on-write tensor.
 _PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
+_VERSION_OF = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class ForwardWrites:
     """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
     keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("before", "clones", "guard", "shared")
+    __slots__ = ("before", "clones", "guard", "of", "shared", "tensors")
 
     def __init__(self) -> None:
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
         # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
         self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
-        self.before: list[tuple[int, int | None]] = []  # their (version, data address) at the sync
+        # Their versions, then their data addresses, at the sync (``_marks``).
+        self.before: list[int | None] = []
+        # ``arm``'s shared tensors, and the parameter list they were taken from (a replica
+        # set's, fixed when it is built): read once, not per call.
+        self.of: Sequence[torch.Tensor] | None = None
+        self.tensors: list[torch.Tensor] = []
 
     def arm(self, params: Sequence[torch.Tensor]) -> bool:
         """For replicas that share ``params`` themselves (no copy on any device): guard the
@@ -71,7 +79,15 @@ class ForwardWrites:
         if not shared:
             self.guard = []
             return False
-        guard = [params[i] for i in shared if params[i].requires_grad]
+        if self.of is not params:
+            self.of, self.tensors = params, [params[i] for i in shared]
+        tensors = self.tensors
+        # (``requires_grad`` is read on every call: it changes without any write we could see)
+        guard = (
+            tensors
+            if all(map(_REQUIRES_GRAD, tensors))
+            else [t for t in tensors if t.requires_grad]
+        )
         self.guard = guard
         self.before = _marks(guard)
         return len(guard) < len(shared) or bool(self.clones)
@@ -123,10 +139,16 @@ class ForwardWrites:
     def check(self, replica: Any) -> None:
         """Refuse a call whose forward wrote a trainable parameter its replicas share."""
         guard = self.guard
-        if not guard or _marks(guard) == self.before:
+        if not guard:
             return
-        written = [t for t, m in zip(guard, self.before, strict=True) if _mark(t) != m]
-        self.before = _marks(guard)
+        now, before = _marks(guard), self.before
+        if now == before:
+            return
+        n = len(guard)
+        written = [
+            t for i, t in enumerate(guard) if now[i] != before[i] or now[n + i] != before[n + i]
+        ]
+        self.before = now
         names = _names(replica, written)
         raise RuntimeError(
             f"module: forward wrote the trainable parameter{'s' if len(names) > 1 else ''} "
@@ -150,13 +172,15 @@ def check_writes(replicas: Sequence[Any]) -> None:
         writes.check(replicas[0])
 
 
-def _marks(tensors: list[torch.Tensor]) -> list[tuple[int, int | None]]:
-    """Each tensor's version (an in-place write) and data address (a ``.data =``
-    assignment); the address read without making a copy-on-write tensor copy."""
+def _marks(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version (an in-place write), then each one's data address (a ``.data =``
+    assignment), in one flat list read by two C-level passes; the address read without making
+    a copy-on-write tensor copy."""
     try:
-        return [(t._version, _PTR(t)) for t in tensors]
+        return [*map(_VERSION_OF, tensors), *map(_PTR, tensors)]
     except RuntimeError:  # one without: an inference tensor, a functorch wrapper
-        return list(map(_mark, tensors))
+        marks = list(map(_mark, tensors))
+        return [*(m[0] for m in marks), *(m[1] for m in marks)]
 
 
 def _mark(tensor: torch.Tensor) -> tuple[int, int | None]:
