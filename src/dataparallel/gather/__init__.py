@@ -34,7 +34,6 @@ from dataparallel.gather._output_rules import check_output_rules
 from dataparallel.gather._terms import (
     is_marked,
     mark_targets,
-    plain,
     terms_note,
     unmark_inputs,
 )
@@ -59,7 +58,6 @@ __all__ = [
     "is_exact_mean",
     "is_marked",
     "mark_targets",
-    "plain",
     "terms_note",
     "unmark",
     "unmark_inputs",

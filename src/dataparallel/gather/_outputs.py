@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import get_default_nowrap_functions
 
 from dataparallel._common.kinds import (
     ATOMS,
@@ -88,8 +89,29 @@ def fmt_attributes(path: Path) -> str | None:
 
 
 class Mark(torch.Tensor):
-    """What the marks on a chunk's data (``_terms``' ``Target``) share: the user passed a
-    plain tensor, and gets one back, whichever rule returns it."""
+    """What every mark shares (``_counted``'s count, ``_terms``' data and loss terms): a torch
+    op on a marked tensor runs on plain tensors, and ``_follow`` marks its result from the
+    marks of its arguments; the user passed plain tensors, and gets plain ones back."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return out if func in _NOWRAP else cls._follow(func, args, kwargs, out)
+
+    @classmethod
+    def _follow(cls, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        """``func``'s result marked as its arguments' marks say (each kind of mark's rule)."""
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        with torch._C.DisableTorchFunctionSubclass():
+            return repr(self.as_subclass(torch.Tensor))
+
+
+# torch's own: getters whose results are never converted to the subclass (``.grad``, ``._base``)
+_NOWRAP = get_default_nowrap_functions()
 
 
 def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
