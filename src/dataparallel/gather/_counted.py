@@ -32,7 +32,16 @@ import torch
 from torch._tensor import _convert
 from torch.utils._pytree import tree_leaves
 
-from dataparallel.gather._outputs import Mark, all_equal, arrays_equal, fmt, move, sum_all
+from dataparallel.gather._outputs import (
+    ESCAPES,
+    Mark,
+    all_equal,
+    arrays_equal,
+    fmt,
+    move,
+    retype,
+    sum_all,
+)
 
 __all__ = [
     "COUNT_KEYWORD",
@@ -46,18 +55,6 @@ __all__ = [
 ]
 
 COUNT_KEYWORD = "num_items_in_batch"
-
-# Ways a marked tensor becomes a plain Python number, whose later uses cannot be followed.
-_TENSOR_ESCAPES = frozenset(
-    {
-        torch.Tensor.item,
-        torch.Tensor.tolist,
-        torch.Tensor.__float__,
-        torch.Tensor.__int__,
-        torch.Tensor.__complex__,
-        torch.Tensor.numpy,
-    }
-)
 
 
 class CountRecord:
@@ -97,8 +94,7 @@ class CountRecord:
     def mark(self, value: Any) -> Any:
         """``value`` (the count a replica receives, already on its device) marked."""
         if isinstance(value, torch.Tensor):
-            with torch._C.DisableTorchFunctionSubclass():
-                return value.as_subclass(self.tensor_type)
+            return retype(value, self.tensor_type)
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return self.int_type(int(value))
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -122,7 +118,7 @@ class Counted(Mark):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _TENSOR_ESCAPES:
+        if func in ESCAPES:
             cls.record.escape(f"{COUNT_KEYWORD}.{func.__name__}()")
         return super().__torch_function__(func, types, args, kwargs)
 
@@ -268,8 +264,7 @@ def unmark(value: Any) -> Any:
     """``value`` without its mark, whichever (the count's or ``_terms``'): a plain tensor,
     int or float; others as they are."""
     if isinstance(value, Mark):
-        with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(torch.Tensor)
+        return retype(value, torch.Tensor)
     if isinstance(value, _CountInt):
         return int(int.__index__(value))
     if isinstance(value, _CountFloat):

@@ -35,6 +35,7 @@ from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuil
 
 __all__ = [
     "ATOMS",
+    "ESCAPES",
     "Mark",
     "Path",
     "all_equal",
@@ -43,6 +44,7 @@ __all__ = [
     "fmt_attributes",
     "move",
     "rebuild_at",
+    "retype",
     "sum_all",
     "to_target",
 ]
@@ -106,12 +108,23 @@ class Mark(torch.Tensor):
         return out
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        with torch._C.DisableTorchFunctionSubclass():
-            return repr(self.as_subclass(torch.Tensor))
+        return repr(retype(self, torch.Tensor))
 
 
 # torch's own: getters whose results are never converted to the subclass (``.grad``, ``._base``)
 _NOWRAP = get_default_nowrap_functions()
+_T = torch.Tensor
+# Ways a marked tensor becomes a plain Python number, whose later uses cannot be followed.
+ESCAPES = frozenset({_T.item, _T.tolist, _T.__float__, _T.__int__, _T.__complex__, _T.numpy})
+
+
+def retype(value: Any, cls: type) -> Any:
+    """A tensor ``value`` as a ``cls`` (a mark, or ``torch.Tensor`` for none), sharing its
+    data and graph; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return value.as_subclass(cls)
+    return value
 
 
 def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
@@ -120,8 +133,7 @@ def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
     attributes its slices lack), as ``torch._C._gather`` moves it. A marked chunk's data
     passed through (``Mark``) comes back plain."""
     if isinstance(t, Mark):
-        with torch._C.DisableTorchFunctionSubclass():
-            t = t.as_subclass(torch.Tensor)
+        t = retype(t, torch.Tensor)
     return t if t.device == target else _TO(t, target)
 
 

@@ -44,7 +44,7 @@ from torch._tensor import _convert
 
 from dataparallel._common.warn import warn_user
 from dataparallel.gather._counted import is_counted, unmark
-from dataparallel.gather._outputs import Mark, fmt, sum_all
+from dataparallel.gather._outputs import ESCAPES, Mark, fmt, retype, sum_all
 
 __all__ = [
     "Term",
@@ -77,7 +77,6 @@ _KEEP = frozenset(
 )
 _SUMS = frozenset({T.sum, torch.sum, T.nansum, torch.nansum})
 _MEANS = frozenset({T.mean, torch.mean})
-_ESCAPES = frozenset({T.item, T.tolist, T.__float__, T.__int__})
 # Ops that pick from their first tensor by an index of any kind: the data's targets, chosen
 # by a matcher (DETR's ``boxes[indices]``), are still the data's.
 _SELECT = frozenset({T.__getitem__, T.index_select, torch.index_select, T.gather, torch.gather})
@@ -124,17 +123,9 @@ def is_marked(value: Any) -> bool:
 
 
 def _term(value: torch.Tensor, parts: tuple[Any, ...], untold: str | None = None) -> Term:
-    with torch._C.DisableTorchFunctionSubclass():
-        out = value.as_subclass(Term)
+    out = retype(value, Term)
     out.parts, out.untold = parts, untold
     return out
-
-
-def _as(value: Any, cls: type) -> Any:
-    if isinstance(value, torch.Tensor):
-        with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(cls)
-    return value
 
 
 def _observe(func: Any, a: dict[str, Any]) -> Any:
@@ -147,7 +138,7 @@ def _observe(func: Any, a: dict[str, Any]) -> Any:
         a["reduction"] = "none"
         losses = func(**a)
         if reduction == "none":
-            return _as(losses, Elements)
+            return retype(losses, Elements)
         if func is F.ctc_loss and reduction == "mean":  # a mean over samples of loss / length
             lengths = torch.as_tensor(a["target_lengths"], device=losses.device)
             total = (losses / lengths.clamp(min=1).to(losses.dtype)).sum()
@@ -194,8 +185,8 @@ def _mark_of(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
             return _term(out, (("mean", total, unmark(args[0]).numel(), 1.0),))
         if out.ndim == 0:
             return _term(out, (), f"{_name(func)} of per-element losses")
-        return _as(out, Elements)
-    if func in _ESCAPES:
+        return retype(out, Elements)
+    if func in ESCAPES:
         return out
     if func in _DIV and len(args) == 2 and _counts(args[0], args[1], out):
         # a sum over the chunk (written by hand) over a count computed from the data
@@ -251,7 +242,7 @@ def _scaled(parts: tuple[Any, ...], by: Any) -> tuple[Any, ...]:
 
 def _combine(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """A term's arithmetic: re-formed parts, or an untellable term naming the op."""
-    if func in _ESCAPES or not isinstance(out, torch.Tensor):
+    if func in ESCAPES or not isinstance(out, torch.Tensor):
         return out
     if out.numel() != 1 or not (out.is_floating_point() or out.is_complex()):
         return out
@@ -329,7 +320,7 @@ def _ratio(a: Any, b: Any, pa: tuple[Any, ...]) -> Any:
 
 
 def _mark(value: Any) -> Any:
-    return _as(value, Target) if type(value) is torch.Tensor and value.ndim else value
+    return retype(value, Target) if type(value) is torch.Tensor and value.ndim else value
 
 
 def _leaves(chunk_args: Any, chunk_kwargs: Any) -> Any:
