@@ -6,7 +6,7 @@ of each chunk's denominator, a sum is summed, a term that does not depend on the
 once. Which term is which is observed, not guessed, at the only places a loss is made:
 
 - **Marked data** (``Target``): in a call that passes an integer tensor (labels, ids), each
-  chunk's tensors are marked as the replica receives them (``mark_targets``); a call of floats
+  chunk's tensors are marked as the replica receives them (``mark_inputs``); a call of floats
   alone is not (nothing to mark it costs). An op whose tensors are all marked (a shift,
   ``labels != -100``, ``masked_select``, a count ``mask.sum()``) gives marked results; one that
   mixes in any other tensor (an embedding, attention scores) gives plain ones, so the network's
@@ -43,14 +43,14 @@ import torch.nn.functional as F
 from torch._tensor import _convert
 
 from dataparallel._common.warn import warn_user
-from dataparallel.gather._counted import is_counted, unmark
+from dataparallel.gather._counted import CountRecord, is_counted, unmark
 from dataparallel.gather._outputs import ESCAPES, Mark, fmt, retype, sum_all
 
 __all__ = [
     "Term",
     "gather_terms",
     "is_marked",
-    "mark_targets",
+    "mark_inputs",
     "terms_note",
     "unmark_inputs",
 ]
@@ -343,15 +343,29 @@ _NO_TARGET = frozenset(  # tensors that alone do not make a call mark its chunks
 )
 
 
-def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Each chunk's tensors marked (at the top, or one plain container down: DETR's list of
-    per-image dicts), where the call passes an integer tensor (labels, ids: what a loss in
-    forward needs); a call of floats alone (an image batch) is left as it is, at no cost."""
-    if not args or not any(map(_integers, _leaves(args[0], kwargs[0]))):
+def mark_inputs(
+    args: Sequence[Any],
+    kwargs: Sequence[Any],
+    targets: bool = True,
+    count: CountRecord | None = None,
+    slot: str | int | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Each chunk's inputs marked, in one pass: with ``targets``, its tensors (at the top, or
+    one plain container down: DETR's list of per-image dicts) where the call passes an integer
+    tensor (labels, ids: what a loss in forward needs; a call of floats alone, an image batch,
+    is left as it is, at no cost); with ``count``, its copy of ``num_items_in_batch`` (at
+    ``slot``, a keyword or a position) with the call's count mark. The containers are copies:
+    a chunk's may be the caller's own."""
+    targets = targets and bool(args) and any(map(_integers, _leaves(args[0], kwargs[0])))
+    if not targets and count is None:
         return list(args), list(kwargs)
 
-    def one(value: Any) -> Any:
+    def one(key: Any, value: Any) -> Any:
+        if count is not None and key == slot and value is not None:
+            return count.mark(value)
         kind = type(value)  # exactly these: a container of the user's class stays as it is
+        if not targets:
+            return value
         if kind is list or kind is tuple:
             return kind(_dict(v) if type(v) is dict else _mark(v) for v in value)
         return _dict(value) if kind is dict else _mark(value)
@@ -359,8 +373,8 @@ def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any],
     def _dict(d: Mapping[Any, Any]) -> Any:
         return {k: _mark(v) for k, v in d.items()}
 
-    new_args = [tuple(one(v) for v in a) if isinstance(a, tuple) else a for a in args]
-    new_kws = [{k: one(v) for k, v in kw.items()} if kw else kw for kw in kwargs]
+    new_args = [tuple(one(*iv) for iv in enumerate(a)) if isinstance(a, tuple) else a for a in args]
+    new_kws = [{k: one(k, v) for k, v in kw.items()} if kw else kw for kw in kwargs]
     return new_args, new_kws
 
 
