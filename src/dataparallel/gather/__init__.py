@@ -33,8 +33,7 @@ from dataparallel.gather._origins import Origins
 from dataparallel.gather._output_rules import check_output_rules
 from dataparallel.gather._terms import (
     is_marked,
-    mark_targets,
-    plain,
+    mark_inputs,
     terms_note,
     unmark_inputs,
 )
@@ -58,8 +57,7 @@ __all__ = [
     "is_counted",
     "is_exact_mean",
     "is_marked",
-    "mark_targets",
-    "plain",
+    "mark_inputs",
     "terms_note",
     "unmark",
     "unmark_inputs",

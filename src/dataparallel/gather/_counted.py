@@ -30,10 +30,18 @@ from typing import Any, ClassVar
 
 import torch
 from torch._tensor import _convert
-from torch.overrides import get_default_nowrap_functions
 from torch.utils._pytree import tree_leaves
 
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
+from dataparallel.gather._outputs import (
+    ESCAPES,
+    Mark,
+    all_equal,
+    arrays_equal,
+    fmt,
+    move,
+    retype,
+    sum_all,
+)
 
 __all__ = [
     "COUNT_KEYWORD",
@@ -47,22 +55,6 @@ __all__ = [
 ]
 
 COUNT_KEYWORD = "num_items_in_batch"
-
-# Ways a marked tensor becomes a plain Python number, whose later uses cannot be followed.
-_TENSOR_ESCAPES = frozenset(
-    {
-        torch.Tensor.item,
-        torch.Tensor.tolist,
-        torch.Tensor.__float__,
-        torch.Tensor.__int__,
-        torch.Tensor.__complex__,
-        torch.Tensor.numpy,
-    }
-)
-
-
-# torch's own: getters whose results are never converted to the subclass (``.grad``, ``._base``)
-_NOWRAP = get_default_nowrap_functions()
 
 
 class CountRecord:
@@ -102,8 +94,7 @@ class CountRecord:
     def mark(self, value: Any) -> Any:
         """``value`` (the count a replica receives, already on its device) marked."""
         if isinstance(value, torch.Tensor):
-            with torch._C.DisableTorchFunctionSubclass():
-                return value.as_subclass(self.tensor_type)
+            return retype(value, self.tensor_type)
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return self.int_type(int(value))
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -119,21 +110,29 @@ class CountRecord:
             self.escaped = how
 
 
-class Counted(torch.Tensor):
+class Counted(Mark):
     """A tensor computed from the count alone (or the count itself): results of torch ops on
-    it are marked too (``_run``). ``record`` is set on the per-call subclass."""
+    it are marked too (``_follow``). ``record`` is set on the per-call subclass."""
 
     record: ClassVar[CountRecord]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _TENSOR_ESCAPES:
+        if func in ESCAPES:
             cls.record.escape(f"{COUNT_KEYWORD}.{func.__name__}()")
-        return _run(cls.record, func, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        with torch._C.DisableTorchFunctionSubclass():
-            return repr(self.as_subclass(torch.Tensor))
+    @classmethod
+    def _follow(cls, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        """Tensors come back marked: a part (``CountedPart``) when another tensor, or a part,
+        took part in the op."""
+        inputs = (args[1:], kwargs) if func in _FACTORIES else (args, kwargs)
+        part = any(
+            isinstance(x, torch.Tensor)
+            and (isinstance(x, CountedPart) or not isinstance(x, Counted))
+            for x in tree_leaves(inputs)
+        )
+        return _convert(out, cls.record.part_type if part else cls.record.tensor_type)
 
 
 class CountedPart(Counted):
@@ -155,25 +154,10 @@ _FACTORIES = frozenset(
 )
 
 
-def _run(record: CountRecord, func: Any, args: Any, kwargs: Any) -> Any:
-    """A torch op with a marked value among its arguments, run unmarked; its tensors come back
-    marked: a part (``CountedPart``) when another tensor, or a part, took part in it."""
-    kwargs = kwargs or {}
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **kwargs)
-    if func in _NOWRAP:
-        return out
-    inputs = (args[1:], kwargs) if func in _FACTORIES else (args, kwargs)
-    part = any(
-        isinstance(x, torch.Tensor) and (isinstance(x, CountedPart) or not isinstance(x, Counted))
-        for x in tree_leaves(inputs)
-    )
-    return _convert(out, record.part_type if part else record.tensor_type)
-
-
 def _torch_function(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-    """A torch op with a marked number among its arguments: its tensors come back marked."""
-    return _run(cls.record, func, args, kwargs)
+    """A torch op with a marked number among its arguments: its tensors come back marked, as
+    a marked tensor's do."""
+    return super(Counted, cls.record.tensor_type).__torch_function__(func, types, args, kwargs)
 
 
 def _marked(record: CountRecord, out: Any) -> Any:
@@ -277,10 +261,10 @@ def is_counted(value: Any) -> bool:
 
 
 def unmark(value: Any) -> Any:
-    """``value`` without its mark (a plain tensor, int or float); others as they are."""
-    if isinstance(value, Counted):
-        with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(torch.Tensor)
+    """``value`` without its mark, whichever (the count's or ``_terms``'): a plain tensor,
+    int or float; others as they are."""
+    if isinstance(value, Mark):
+        return retype(value, torch.Tensor)
     if isinstance(value, _CountInt):
         return int(int.__index__(value))
     if isinstance(value, _CountFloat):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import get_default_nowrap_functions
 
 from dataparallel._common.kinds import (
     ATOMS,
@@ -34,6 +35,7 @@ from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuil
 
 __all__ = [
     "ATOMS",
+    "ESCAPES",
     "Mark",
     "Path",
     "all_equal",
@@ -42,6 +44,7 @@ __all__ = [
     "fmt_attributes",
     "move",
     "rebuild_at",
+    "retype",
     "sum_all",
     "to_target",
 ]
@@ -88,8 +91,40 @@ def fmt_attributes(path: Path) -> str | None:
 
 
 class Mark(torch.Tensor):
-    """What the marks on a chunk's data (``_terms``' ``Target``) share: the user passed a
-    plain tensor, and gets one back, whichever rule returns it."""
+    """What every mark shares (``_counted``'s count, ``_terms``' data and loss terms): a torch
+    op on a marked tensor runs on plain tensors, and ``_follow`` marks its result from the
+    marks of its arguments; the user passed plain tensors, and gets plain ones back."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return out if func in _NOWRAP else cls._follow(func, args, kwargs, out)
+
+    @classmethod
+    def _follow(cls, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        """``func``'s result marked as its arguments' marks say (each kind of mark's rule)."""
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        return repr(retype(self, torch.Tensor))
+
+
+# torch's own: getters whose results are never converted to the subclass (``.grad``, ``._base``)
+_NOWRAP = get_default_nowrap_functions()
+_T = torch.Tensor
+# Ways a marked tensor becomes a plain Python number, whose later uses cannot be followed.
+ESCAPES = frozenset({_T.item, _T.tolist, _T.__float__, _T.__int__, _T.__complex__, _T.numpy})
+
+
+def retype(value: Any, cls: type) -> Any:
+    """A tensor ``value`` as a ``cls`` (a mark, or ``torch.Tensor`` for none), sharing its
+    data and graph; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return value.as_subclass(cls)
+    return value
 
 
 def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
@@ -98,8 +133,7 @@ def move(t: torch.Tensor, target: torch.device) -> torch.Tensor:
     attributes its slices lack), as ``torch._C._gather`` moves it. A marked chunk's data
     passed through (``Mark``) comes back plain."""
     if isinstance(t, Mark):
-        with torch._C.DisableTorchFunctionSubclass():
-            t = t.as_subclass(torch.Tensor)
+        t = retype(t, torch.Tensor)
     return t if t.device == target else _TO(t, target)
 
 

@@ -6,7 +6,7 @@ of each chunk's denominator, a sum is summed, a term that does not depend on the
 once. Which term is which is observed, not guessed, at the only places a loss is made:
 
 - **Marked data** (``Target``): in a call that passes an integer tensor (labels, ids), each
-  chunk's tensors are marked as the replica receives them (``mark_targets``); a call of floats
+  chunk's tensors are marked as the replica receives them (``mark_inputs``); a call of floats
   alone is not (nothing to mark it costs). An op whose tensors are all marked (a shift,
   ``labels != -100``, ``masked_select``, a count ``mask.sum()``) gives marked results; one that
   mixes in any other tensor (an embedding, attention scores) gives plain ones, so the network's
@@ -41,23 +41,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch._tensor import _convert
-from torch.overrides import get_default_nowrap_functions
 
 from dataparallel._common.warn import warn_user
-from dataparallel.gather._counted import is_counted, unmark
-from dataparallel.gather._outputs import Mark, fmt, sum_all
+from dataparallel.gather._counted import CountRecord, is_counted, unmark
+from dataparallel.gather._outputs import ESCAPES, Mark, fmt, retype, sum_all
 
 __all__ = [
     "Term",
     "gather_terms",
     "is_marked",
-    "mark_targets",
-    "plain",
+    "mark_inputs",
     "terms_note",
     "unmark_inputs",
 ]
 
-_NOWRAP = get_default_nowrap_functions()
 # torch's loss functions (their modules call them): each dispatches on a marked argument
 _LOSS_NAMES = (
     "cross_entropy nll_loss ctc_loss mse_loss l1_loss smooth_l1_loss huber_loss "
@@ -80,29 +77,27 @@ _KEEP = frozenset(
 )
 _SUMS = frozenset({T.sum, torch.sum, T.nansum, torch.nansum})
 _MEANS = frozenset({T.mean, torch.mean})
-_ESCAPES = frozenset({T.item, T.tolist, T.__float__, T.__int__})
 # Ops that pick from their first tensor by an index of any kind: the data's targets, chosen
 # by a matcher (DETR's ``boxes[indices]``), are still the data's.
 _SELECT = frozenset({T.__getitem__, T.index_select, torch.index_select, T.gather, torch.gather})
 
 
 class _Marked(Mark):
-    """What every mark shares: torch ops on it are run plain, then marked by ``_follow``."""
+    """What the data's marks and the terms share: a loss function called on one is observed
+    (``_observe``); other torch ops are run plain, then marked by ``_mark_of``."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
         sig = _LOSSES.get(func)
-        if sig is not None:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return _observe(func, bound.arguments)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        return out if func in _NOWRAP else _follow(func, args, kwargs, out)
+        if sig is None:
+            return super().__torch_function__(func, types, args, kwargs)
+        bound = sig.bind(*args, **(kwargs or {}))
+        bound.apply_defaults()
+        return _observe(func, bound.arguments)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
-        return repr(plain(self))
+    @classmethod
+    def _follow(cls, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        return _mark_of(func, args, kwargs, out)
 
 
 class Target(_Marked):
@@ -123,35 +118,19 @@ class Term(_Marked):
     counted = False
 
 
-def plain(value: Any) -> Any:
-    """``value`` without a mark (a plain tensor); anything else as it is."""
-    if isinstance(value, _Marked):
-        with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(torch.Tensor)
-    return value
-
-
 def is_marked(value: Any) -> bool:
     return isinstance(value, _Marked)
 
 
 def _term(value: torch.Tensor, parts: tuple[Any, ...], untold: str | None = None) -> Term:
-    with torch._C.DisableTorchFunctionSubclass():
-        out = value.as_subclass(Term)
+    out = retype(value, Term)
     out.parts, out.untold = parts, untold
     return out
 
 
-def _as(value: Any, cls: type) -> Any:
-    if isinstance(value, torch.Tensor):
-        with torch._C.DisableTorchFunctionSubclass():
-            return value.as_subclass(cls)
-    return value
-
-
 def _observe(func: Any, a: dict[str, Any]) -> Any:
     """A torch loss function called with a marked argument: its chunk's term."""
-    a = {k: plain(unmark(v)) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    a = {k: unmark(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     reduction = a.get("reduction", "mean")
     with torch._C.DisableTorchFunctionSubclass():
         if a.get("size_average") is not None or a.get("reduce") is not None:
@@ -159,7 +138,7 @@ def _observe(func: Any, a: dict[str, Any]) -> Any:
         a["reduction"] = "none"
         losses = func(**a)
         if reduction == "none":
-            return _as(losses, Elements)
+            return retype(losses, Elements)
         if func is F.ctc_loss and reduction == "mean":  # a mean over samples of loss / length
             lengths = torch.as_tensor(a["target_lengths"], device=losses.device)
             total = (losses / lengths.clamp(min=1).to(losses.dtype)).sum()
@@ -190,7 +169,7 @@ def _denominator(func: Any, a: dict[str, Any], losses: torch.Tensor, reduction: 
     return losses.numel()
 
 
-def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+def _mark_of(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """The mark of ``func``'s result, from the marks of its arguments."""
     found = _tensors(args, kwargs)
     terms = [x for x in found if isinstance(x, Term)]
@@ -202,16 +181,16 @@ def _follow(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         if out.ndim == 0 and func in _SUMS:
             return _term(out, (("sum", out, None, 1.0),))
         if out.ndim == 0 and func in _MEANS:
-            total = plain(args[0]).sum()
-            return _term(out, (("mean", total, plain(args[0]).numel(), 1.0),))
+            total = unmark(args[0]).sum()
+            return _term(out, (("mean", total, unmark(args[0]).numel(), 1.0),))
         if out.ndim == 0:
             return _term(out, (), f"{_name(func)} of per-element losses")
-        return _as(out, Elements)
-    if func in _ESCAPES:
+        return retype(out, Elements)
+    if func in ESCAPES:
         return out
     if func in _DIV and len(args) == 2 and _counts(args[0], args[1], out):
         # a sum over the chunk (written by hand) over a count computed from the data
-        return _term(out, (("mean", plain(args[0]), plain(args[1]).reshape(()), 1.0),))
+        return _term(out, (("mean", unmark(args[0]), unmark(args[1]).reshape(()), 1.0),))
     picked = func in _SELECT and isinstance(args[0], Target)
     if not picked and not all(isinstance(x, Target) for x in found):
         # computed with the network's tensors: plain from here on, unless it is integers
@@ -254,7 +233,7 @@ def _parts(x: Any) -> tuple[Any, ...] | None:
         return None
     if isinstance(x, torch.Tensor) and x.numel() != 1:
         return None
-    return (("const", plain(unmark(x)), None, 1.0),)
+    return (("const", unmark(x), None, 1.0),)
 
 
 def _scaled(parts: tuple[Any, ...], by: Any) -> tuple[Any, ...]:
@@ -263,7 +242,7 @@ def _scaled(parts: tuple[Any, ...], by: Any) -> tuple[Any, ...]:
 
 def _combine(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     """A term's arithmetic: re-formed parts, or an untellable term naming the op."""
-    if func in _ESCAPES or not isinstance(out, torch.Tensor):
+    if func in ESCAPES or not isinstance(out, torch.Tensor):
         return out
     if out.numel() != 1 or not (out.is_floating_point() or out.is_complex()):
         return out
@@ -325,7 +304,7 @@ def _ratio(a: Any, b: Any, pa: tuple[Any, ...]) -> Any:
             if len(b.parts) != 1 or b.parts[0][0] != "sum" or b.untold is not None:
                 return None
             return (("mean", num * scale, b.parts[0][1] * b.parts[0][3], 1.0),)
-        return (("mean", num * scale, plain(b).reshape(()), 1.0),)
+        return (("mean", num * scale, unmark(b).reshape(()), 1.0),)
     if isinstance(b, (Target, Term, Elements)):
         return None
     if isinstance(b, numbers.Real) and not is_counted(b) and not isinstance(b, bool):
@@ -333,7 +312,7 @@ def _ratio(a: Any, b: Any, pa: tuple[Any, ...]) -> Any:
         return tuple(
             ("ratio", n * s, float(b), 1.0) if k == "sum" else (k, n, d, s / b) for k, n, d, s in pa
         )
-    b = plain(unmark(b))
+    b = unmark(b)
     return _scaled(pa, 1 / b)
 
 
@@ -341,7 +320,7 @@ def _ratio(a: Any, b: Any, pa: tuple[Any, ...]) -> Any:
 
 
 def _mark(value: Any) -> Any:
-    return _as(value, Target) if type(value) is torch.Tensor and value.ndim else value
+    return retype(value, Target) if type(value) is torch.Tensor and value.ndim else value
 
 
 def _leaves(chunk_args: Any, chunk_kwargs: Any) -> Any:
@@ -364,15 +343,29 @@ _NO_TARGET = frozenset(  # tensors that alone do not make a call mark its chunks
 )
 
 
-def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Each chunk's tensors marked (at the top, or one plain container down: DETR's list of
-    per-image dicts), where the call passes an integer tensor (labels, ids: what a loss in
-    forward needs); a call of floats alone (an image batch) is left as it is, at no cost."""
-    if not args or not any(map(_integers, _leaves(args[0], kwargs[0]))):
+def mark_inputs(
+    args: Sequence[Any],
+    kwargs: Sequence[Any],
+    targets: bool = True,
+    count: CountRecord | None = None,
+    slot: str | int | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Each chunk's inputs marked, in one pass: with ``targets``, its tensors (at the top, or
+    one plain container down: DETR's list of per-image dicts) where the call passes an integer
+    tensor (labels, ids: what a loss in forward needs; a call of floats alone, an image batch,
+    is left as it is, at no cost); with ``count``, its copy of ``num_items_in_batch`` (at
+    ``slot``, a keyword or a position) with the call's count mark. The containers are copies:
+    a chunk's may be the caller's own."""
+    targets = targets and bool(args) and any(map(_integers, _leaves(args[0], kwargs[0])))
+    if not targets and count is None:
         return list(args), list(kwargs)
 
-    def one(value: Any) -> Any:
+    def one(key: Any, value: Any) -> Any:
+        if count is not None and key == slot and value is not None:
+            return count.mark(value)
         kind = type(value)  # exactly these: a container of the user's class stays as it is
+        if not targets:
+            return value
         if kind is list or kind is tuple:
             return kind(_dict(v) if type(v) is dict else _mark(v) for v in value)
         return _dict(value) if kind is dict else _mark(value)
@@ -380,16 +373,20 @@ def mark_targets(args: Sequence[Any], kwargs: Sequence[Any]) -> tuple[list[Any],
     def _dict(d: Mapping[Any, Any]) -> Any:
         return {k: _mark(v) for k, v in d.items()}
 
-    new_args = [tuple(one(v) for v in a) if isinstance(a, tuple) else a for a in args]
-    new_kws = [{k: one(v) for k, v in kw.items()} if kw else kw for kw in kwargs]
+    new_args = [tuple(one(*iv) for iv in enumerate(a)) if isinstance(a, tuple) else a for a in args]
+    new_kws = [{k: one(k, v) for k, v in kw.items()} if kw else kw for kw in kwargs]
     return new_args, new_kws
 
 
 def unmark_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A wrapper's call inside another's replica: its arguments plain (it marks its own)."""
     if any(map(is_marked, inputs)) or any(map(is_marked, kwargs.values())):
-        return tuple(map(plain, inputs)), {k: plain(v) for k, v in kwargs.items()}
+        return tuple(map(_strip, inputs)), {k: _strip(v) for k, v in kwargs.items()}
     return inputs, kwargs
+
+
+def _strip(value: Any) -> Any:
+    return unmark(value) if is_marked(value) else value  # (the count's marks are the inner's)
 
 
 def terms_note(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -422,7 +419,7 @@ def gather_terms(
         total = sum_all([_part(values, k, path, ctx) for k in range(len(shapes[0] or ()))])
         if not isinstance(total, torch.Tensor):
             total = torch.as_tensor(total, device=ctx.target)
-        first = plain(first)
+        first = unmark(first)
         total = total.to(first.dtype)
         if total.shape != first.shape or total._base is not None:
             # A fresh tensor, never a view: a hook on a view (check='s at backward) is lost
@@ -430,7 +427,7 @@ def gather_terms(
             total = total.reshape(first.shape).clone()
         return total if first.requires_grad else total.detach()
     _tell(path, ctx, untold, "the whole loss is the chunk-size mean of the chunks' values", values)
-    return fallback([plain(v) for v in values])
+    return fallback([unmark(v) for v in values])
 
 
 def _part(values: list[Any], k: int, path: Any, ctx: Any) -> Any:
@@ -473,7 +470,7 @@ def _tell(path: Any, ctx: Any, what: str, kept: str, values: Any = None) -> None
         ctx.warned.add(key)
     much = ""
     if values is not None and all(v.numel() == 1 for v in values):
-        found = [float(plain(v).detach().reshape(())) for v in values]
+        found = [float(unmark(v).detach().reshape(())) for v in values]
         kept_value = sum(x * w for x, w in zip(found, ctx.weights, strict=True) if w)
         off = max(abs(x - kept_value) for x in found)
         listed = ", ".join(f"{x:.6g}" for x in found)

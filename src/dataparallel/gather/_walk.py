@@ -64,7 +64,7 @@ from dataparallel.gather._outputs import (
     to_target,
 )
 from dataparallel.gather._scalars import gather_scalars
-from dataparallel.gather._terms import Term, gather_terms, is_marked, plain
+from dataparallel.gather._terms import Term, gather_terms, is_marked
 
 __all__ = ["walk"]
 
@@ -84,12 +84,12 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         where = fmt(path)
         ctx.seen.append(where)
         if where in ctx.rules:
-            values = [plain(unmark(v)) for v in values]  # the user's rule decides: marks go
+            values = [unmark(v) for v in values]  # the user's rule decides: marks go
             return apply_rule(values, where, ctx.rules[where], ctx, _concat)
         alias = fmt_attributes(path)  # a model output's field as an attribute: output.logits
         if alias is not None and alias in ctx.rules:
             ctx.seen.append(alias)
-            values = [plain(unmark(v)) for v in values]  # the user's rule decides: marks go
+            values = [unmark(v) for v in values]  # the user's rule decides: marks go
             return apply_rule(values, where, ctx.rules[alias], ctx, _concat)
     if ctx.count is not None and any(map(is_counted, values)):  # computed from the count
         return gather_counted(values, path, ctx, lambda plain: _gather_arrays(plain, path, ctx))
@@ -97,7 +97,7 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         terms = [v for v in values if isinstance(v, Term)]
         if terms and (ctx.scalars == "mean" or any(v.counted for v in terms)):
             return gather_terms(values, path, ctx, lambda vs: walk(vs, path, ctx))
-        values = [plain(v) for v in values]
+        values = [unmark(v) for v in values]
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:

@@ -26,7 +26,7 @@ from dataparallel.gather import (
     check_scalars,
     chunk_weights,
     gather,
-    mark_targets,
+    mark_inputs,
     unmark_inputs,
 )
 from dataparallel.parallel_apply import parallel_apply, wait_for
@@ -52,7 +52,6 @@ from dataparallel.wrapper._options import (
 from dataparallel.wrapper._partial_sums import (
     DEFAULT_SCALARS,
     find_count,
-    mark_chunks,
 )
 from dataparallel.wrapper._peft_class import class_for
 from dataparallel.wrapper._placement import (
@@ -351,10 +350,8 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             args, kws, wave_devices, wave_sizes = scatter_wave(
                 self, plan, wave, inputs, kwargs, steps
             )
-            if marks:
-                args, kws = mark_targets(args, kws)
-            if count is not None:
-                args, kws = mark_chunks(count, cast("str | int", slot), args, kws)
+            if marks or count is not None:
+                args, kws = mark_inputs(args, kws, marks, count, slot)
             replicas = replicate_wave(self, wave_devices, bool(later), steps)
             outputs += apply_wave(
                 self, replicas, args, kws, wave_devices, steps, timers, later, method

@@ -11,8 +11,8 @@ a tensor on the replica's device), by keyword or by position, whatever ``scalars
 ``output_rules`` say. It receives it marked (``dataparallel.gather.CountRecord``): what
 forward computes from it is marked too, and gather sums those outputs, the parts of the
 one-device value, while the outputs that ignore the count follow the usual rules. One chunk
-(every one-device call) passes the count as it is. This module finds the count in a call and
-hands each chunk its marked copy.
+(every one-device call) passes the count as it is. This module finds the count in a call;
+``gather.mark_inputs`` hands each chunk its marked copy, in the pass that marks its data.
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from dataparallel.gather import COUNT_KEYWORD, CountRecord
+from dataparallel.gather import COUNT_KEYWORD
 
 __all__ = [
     "COUNT_KEYWORD",
     "DEFAULT_SCALARS",
     "count_position",
     "find_count",
-    "mark_chunks",
     "param_position",
     "summing_note",
 ]
@@ -108,24 +107,6 @@ def find_count(
     if index is None or index >= len(inputs) or inputs[index] is None:
         return None
     return index
-
-
-def mark_chunks(
-    record: CountRecord, slot: str | int, args: Sequence[Any], kwargs: Sequence[Any]
-) -> tuple[list[Any], list[Any]]:
-    """Each chunk's arguments with its copy of the count (already on its device, by scatter's
-    broadcast rule) marked. The containers are copies: a chunk's may be the caller's own."""
-    new_args: list[Any] = []
-    new_kwargs: list[Any] = []
-    for a, kw in zip(args, kwargs, strict=True):
-        if isinstance(slot, str):
-            if kw is not None and kw.get(slot) is not None:
-                kw = {**kw, slot: record.mark(kw[slot])}
-        elif isinstance(a, tuple) and slot < len(a) and a[slot] is not None:
-            a = (*a[:slot], record.mark(a[slot]), *a[slot + 1 :])
-        new_args.append(a)
-        new_kwargs.append(kw)
-    return new_args, new_kwargs
 
 
 def summing_note(value: Any, slot: str | int) -> str:

@@ -23,7 +23,6 @@ from dataparallel.gather import (
     ScalarMode,
     first_batch_size,
     gather_outputs,
-    plain,
     unmark,
 )
 from dataparallel.parallel_apply import apply_replicas, as_arguments, sync_call
@@ -231,7 +230,7 @@ def gather_all(
     mean needs them."""
     user = not w.gather_outputs or steps.gather  # the user's code takes them, or one output
     if (user and len(outputs) > 1) or (count is not None and (user or len(outputs) == 1)):
-        outputs = [map_leaves(_plain, out) for out in outputs]
+        outputs = [map_leaves(unmark, out) for out in outputs]
     if not w.gather_outputs:
         return DeviceOutputs(outputs, devices, sizes)
     if steps.gather:
@@ -254,10 +253,6 @@ def gather_all(
         count,
         weigh,
     )
-
-
-def _plain(value: Any) -> Any:
-    return plain(unmark(value))
 
 
 def warn_unbatched(w: Wrapper, plan: Plan, devices: int, inputs: Any, kwargs: Any) -> None:
