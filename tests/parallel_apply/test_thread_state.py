@@ -8,8 +8,9 @@ threads, three device lists, an uneven batch (7 rows over 2 or 3 replicas).
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
-import timeit
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -435,11 +436,29 @@ def test_nothing_is_captured_when_no_state_is_active() -> None:
     assert thread_state.active_state() == ""
 
 
-def test_the_check_costs_well_under_a_microsecond_or_two() -> None:
+def test_the_check_is_its_own_two_functions_and_a_few_getters() -> None:
+    """The common path's cost, counted rather than timed (0.23 us a call, measured quiet; a
+    timed limit of 2 us failed on a loaded machine): the check runs its two functions and a
+    handful of C-level getters of torch's and Python's state, nothing else."""
+
     def check() -> None:
         if not thread_state.must_run_inline():
             thread_state.replay()
             len(thread_state.copy_context())
 
-    seconds = min(timeit.repeat(check, number=20_000, repeat=5)) / 20_000
-    assert seconds < 2e-6, f"{seconds * 1e9:.0f} ns per call"  # about 0.23 us measured
+    calls: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+        elif event == "c_call":
+            calls.append("<C>")
+
+    check()
+    sys.setprofile(profile)
+    try:
+        check()
+    finally:
+        sys.setprofile(None)
+    assert [c for c in calls if c != "<C>"] == ["check", "must_run_inline", "replay"], calls
+    assert calls.count("<C>") <= 12, calls  # 9 measured, setprofile's own call included
