@@ -3,7 +3,7 @@
 With a ``DataParallel(..., gather=False)`` model the outputs stay where the replicas made them;
 the criterion splits the targets with the same chunk sizes onto the same devices, runs the loss
 there, and combines the per-device losses on one device: exactly, for torch's mean-reduced
-losses (a sum per device, one division by the global count: ``_losses``), else as the
+losses (a sum per device, one division by the global count: ``gather._loss``), else as the
 chunk-weighted mean. It is the pipeline again (plan, scatter, replicate, parallel_apply,
 gather) with the outputs already placed.
 """

@@ -212,6 +212,33 @@ def test_a_penalty_on_the_weights_counts_once(devices: list[str]) -> None:
     _same(Regularised(), devices, ids, labels, num_items_in_batch=count)
 
 
+class CountedRegression(nn.Module):
+    """A squared error summed over the chunk and divided by Trainer's num_items_in_batch, of
+    float inputs alone (only the count is marked, not the data), plus a penalty on the
+    weights: the count's part is one loss term among others, so the penalty counts once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, num_items_in_batch: Any) -> Any:
+        error = (self.head(x) - y).pow(2).sum() / num_items_in_batch
+        return error + 0.1 * self.head.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=len)
+@pytest.mark.parametrize("kind", [int, torch.tensor])
+def test_a_penalty_beside_a_count_scaled_sum_of_floats_counts_once(
+    devices: list[str], kind: Callable[[int], Any]
+) -> None:
+    """Before issue 59's one mechanism, everything computed from the count was summed: the
+    penalty came back once per replica."""
+    gen = torch.Generator().manual_seed(8)
+    x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+    _same(CountedRegression(), devices, x, y, num_items_in_batch=kind(18))
+
+
 # -- told: what cannot be re-formed -----------------------------------------------------------
 
 

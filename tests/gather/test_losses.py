@@ -1,4 +1,4 @@
-"""``dataparallel.gather._losses``: a token mean is exact on many devices.
+"""``dataparallel.gather._loss``: a token mean is exact on many devices.
 
 The oracle is the loss on one device over the whole batch; the parts are computed chunk by
 chunk (as replicas would) and combined. Chunks are cut unevenly and hold different numbers of
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dataparallel.gather._losses import (
+from dataparallel.gather._loss import (
     SumAndCount,
     chunk_weights,
     combine,

@@ -2,9 +2,9 @@
 
 ``_gather`` walks the outputs under the gather rules; beside it, one job each: scalars and
 counts (``_scalars``), values the replicas received rather than computed (``_origins``), paths,
-moves and equality of outputs (``_outputs``), outputs computed from
-``num_items_in_batch`` (``_counted``), ``output_rules=`` (``_output_rules``), losses re-formed
-from how forward built them (``_terms``) and ``DataParallelCriterion``'s parts (``_losses``).
+moves and equality of outputs (``_outputs``), ``output_rules=`` (``_output_rules``), and how a
+loss is gathered (``_loss``: a loss re-formed from how forward built it, outputs computed from
+``num_items_in_batch``, ``DataParallelCriterion``'s parts, ``scalar_weights=``).
 
 Other folders import this stage through this module, never its private modules: ``__all__``
 is its interface (``dataparallel`` re-exports the public names).
@@ -12,7 +12,6 @@ is its interface (``dataparallel`` re-exports the public names).
 
 from __future__ import annotations
 
-from dataparallel.gather._counted import COUNT_KEYWORD, CountRecord, is_counted, unmark
 from dataparallel.gather._gather import (
     ScalarMode,
     batched_part,
@@ -22,26 +21,29 @@ from dataparallel.gather._gather import (
     gather,
     gather_outputs,
 )
-from dataparallel.gather._losses import (
+from dataparallel.gather._loss import (
+    COUNT_KEYWORD,
+    Record,
     ScalarWeights,
     SumAndCount,
     chunk_weights,
     combine,
+    is_counted,
     is_exact_mean,
+    is_marked,
+    mark_inputs,
+    summing_note,
+    terms_note,
+    unmark,
+    unmark_inputs,
 )
 from dataparallel.gather._origins import Origins
 from dataparallel.gather._output_rules import check_output_rules
-from dataparallel.gather._terms import (
-    is_marked,
-    mark_inputs,
-    terms_note,
-    unmark_inputs,
-)
 
 __all__ = [
     "COUNT_KEYWORD",
-    "CountRecord",
     "Origins",
+    "Record",
     "ScalarMode",
     "ScalarWeights",
     "SumAndCount",
@@ -58,6 +60,7 @@ __all__ = [
     "is_exact_mean",
     "is_marked",
     "mark_inputs",
+    "summing_note",
     "terms_note",
     "unmark",
     "unmark_inputs",

@@ -110,7 +110,7 @@ class _Context:
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
         self.origins: Any = None  # a _origins.Origins: which scalars each replica received
-        # a _counted.CountRecord when the call passed num_items_in_batch to its replicas
+        # a _loss.Record when the call passed num_items_in_batch to its replicas
         self.count: Any = None
         # Paths where an RNN layer puts its output ("sequence") and state ("state"): the items
         # of a pair (tensor, state), state a tensor or a pair (h_n, c_n). Made on first need.
@@ -257,8 +257,8 @@ def gather_outputs(
     ``dataparallel.gather._origins.Origins``) tells a buffer or input each replica received from a
     value it computed, for scalars that are not one object on every replica. ``warned`` is the
     wrapper's set of warnings already given, so that the walk's warnings show once per wrapper.
-    ``count`` (a ``dataparallel.gather._counted.CountRecord``) is the call's when each replica
-    received a marked ``num_items_in_batch``: outputs computed from it are summed (``_counted``).
+    ``count`` (a ``dataparallel.gather._loss.Record``) is the call's when each replica
+    received a marked ``num_items_in_batch``: outputs computed from it are summed (``_loss``).
     ``weigh`` (no ``scalar_weights`` given) returns each replica's weight in a ``"mean"``, read
     only when a mean needs it: the wrapper's ``scalar_weights``.
     """

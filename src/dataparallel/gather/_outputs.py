@@ -91,7 +91,7 @@ def fmt_attributes(path: Path) -> str | None:
 
 
 class Mark(torch.Tensor):
-    """What every mark shares (``_counted``'s count, ``_terms``' data and loss terms): a torch
+    """What every mark shares (``_loss._marks``: the data, the loss terms, the count): a torch
     op on a marked tensor runs on plain tensors, and ``_follow`` marks its result from the
     marks of its arguments; the user passed plain tensors, and gets plain ones back."""
 

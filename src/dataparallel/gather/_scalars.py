@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel.gather._counted import check_unmarked
+from dataparallel.gather._loss import mean_of, refuse_escaped
 from dataparallel.gather._output_rules import warn_even_count
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
+from dataparallel.gather._outputs import all_equal, fmt, move, sum_all
 
 __all__ = ["gather_scalars"]
 
@@ -36,7 +36,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             return moved[0]
         raise _booleans_differ(values, path)
     if ctx.count is not None:
-        check_unmarked(values, path, ctx)
+        refuse_escaped(values, path, ctx)  # the loss rules' 5 and 6: _loss._rule
     if ctx.scalars == "stack":
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
     sizes = ctx.sizes
@@ -52,7 +52,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
             return sum_all(tensors)
-        return _tensor_mean(tensors, ctx.weights_at(path))
+        return mean_of(tensors, path, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
         return sum_all(plain)
@@ -60,8 +60,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         return _gather_ints(values, plain, path, ctx)
     if all_equal(plain):
         return values[0]  # a constant keeps its type
-    counts = ctx.counts_at(path)
-    return sum_all([v * c for v, c in zip(plain, counts, strict=True) if c]) / sum(counts)
+    return mean_of(plain, path, ctx)
 
 
 def _gather_ints(values: list[Any], plain: list[Any], path: _Path, ctx: _Ctx) -> Any:
@@ -127,18 +126,3 @@ def _booleans_differ(values: list[Any], path: _Path) -> ValueError:
 def _is_bool(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)  # bool tensors, bool ndarrays and np.bool_
     return isinstance(value, bool) or dtype is torch.bool or bool(dtype == np.bool_)
-
-
-def _tensor_mean(tensors: list[torch.Tensor], weights: tuple[float, ...]) -> torch.Tensor:
-    # Weights (not counts) multiply, so a float16 loss cannot overflow.
-    # A replica of weight 0 adds nothing, not 0 * NaN (a chunk whose loss has no element).
-    mean = sum_all([t * w for t, w in zip(tensors, weights, strict=True) if w])
-    if any(t.requires_grad for t in tensors):
-        return mean  # a loss: its gradient must be the weighted one, even where values agree
-    first = tensors[0]
-    if first.is_floating_point() or first.is_complex():
-        # Keep a constant bit for bit without a device sync: choose on the device.
-        same = torch.stack([t.to(first.dtype) for t in tensors]).eq(first).all()
-        return torch.where(same, first, mean)
-    # Integer outputs keep their dtype only when equal, which needs one look at the values.
-    return first if arrays_equal(tensors) else mean

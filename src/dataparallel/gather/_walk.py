@@ -45,7 +45,7 @@ from dataparallel._common.packed import gather_packed, is_packed
 from dataparallel._common.rebuild import rebuild_mapping, rebuild_record, rebuild_sequence
 from dataparallel._common.tree import leaves
 from dataparallel._common.warn import warn_user
-from dataparallel.gather._counted import gather_counted, is_counted, unmark
+from dataparallel.gather._loss import gather_marked, is_marked, unmark
 from dataparallel.gather._output_rules import (
     apply_rule,
     check_chunk_matrix,
@@ -64,7 +64,6 @@ from dataparallel.gather._outputs import (
     to_target,
 )
 from dataparallel.gather._scalars import gather_scalars
-from dataparallel.gather._terms import Term, gather_terms, is_marked
 
 __all__ = ["walk"]
 
@@ -91,13 +90,8 @@ def walk(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             ctx.seen.append(alias)
             values = [unmark(v) for v in values]  # the user's rule decides: marks go
             return apply_rule(values, where, ctx.rules[alias], ctx, _concat)
-    if ctx.count is not None and any(map(is_counted, values)):  # computed from the count
-        return gather_counted(values, path, ctx, lambda plain: _gather_arrays(plain, path, ctx))
-    if any(map(is_marked, values)):  # a loss's terms (_terms), or marked data passed through
-        terms = [v for v in values if isinstance(v, Term)]
-        if terms and (ctx.scalars == "mean" or any(v.counted for v in terms)):
-            return gather_terms(values, path, ctx, lambda vs: walk(vs, path, ctx))
-        values = [unmark(v) for v in values]
+    if any(map(is_marked, values)):  # a loss's terms, the count's values: _loss._rule
+        return gather_marked(values, path, ctx, lambda plain: walk(plain, path, ctx))
     cls = type(values[0])
     kind = kind_of(values[0])
     for value in values:

@@ -19,8 +19,8 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.devices import DeviceSpec, check_runnable, resolve_devices, target_device
 from dataparallel.gather import (
-    CountRecord,
     Origins,
+    Record,
     ScalarWeights,
     check_output_rules,
     check_scalars,
@@ -336,8 +336,8 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         timers: list[Any] = []  # floats, or CUDA spans read only when asked
         # num_items_in_batch: each replica receives the whole count, marked (_partial_sums)
         slot = None if method is not None else find_count(module, inputs, kwargs)
-        count = None if slot is None else CountRecord()
-        # A loss's terms are observed (gather._terms) on several chunks, unless weighed or
+        count = None if slot is None else Record()
+        # A loss's terms are observed (gather._loss) on several chunks, unless weighed or
         # compiled (dynamo traces plain tensors)
         marks = self.scalar_weights is None and method is None and len(plan.slices[0]) > 1
         marks = marks and self.__dict__.get("compile_options") is None

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import terms_note
+from dataparallel.gather import summing_note, terms_note
 from dataparallel.parallel_apply import batchnorm_note
 from dataparallel.plan import Plan, build_plan
-from dataparallel.wrapper._partial_sums import find_count, summing_note
+from dataparallel.wrapper._partial_sums import find_count
 
 __all__ = ["explain_call"]
 

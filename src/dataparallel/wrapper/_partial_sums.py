@@ -8,7 +8,7 @@ they guard it (``max(N, 1)``), take roots, use it as a size, return it, take it 
 
 So each replica receives the count as one device does, whole (an int stays an int, a tensor is
 a tensor on the replica's device), by keyword or by position, whatever ``scalars`` or
-``output_rules`` say. It receives it marked (``dataparallel.gather.CountRecord``): what
+``output_rules`` say. It receives it marked (``dataparallel.gather.Record``): what
 forward computes from it is marked too, and gather sums those outputs, the parts of the
 one-device value, while the outputs that ignore the count follow the usual rules. One chunk
 (every one-device call) passes the count as it is. This module finds the count in a call;
@@ -23,7 +23,6 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from dataparallel.gather import COUNT_KEYWORD
@@ -34,7 +33,6 @@ __all__ = [
     "count_position",
     "find_count",
     "param_position",
-    "summing_note",
 ]
 
 # ``scalars``' default. (A wrapper pickled before issue 39 held a ``_DefaultScalars`` string
@@ -107,15 +105,3 @@ def find_count(
     if index is None or index >= len(inputs) or inputs[index] is None:
         return None
     return index
-
-
-def summing_note(value: Any, slot: str | int) -> str:
-    """What ``explain`` says about a call that passes ``num_items_in_batch``."""
-    found = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-    where = f"args[{slot}]" if isinstance(slot, int) else slot
-    return (
-        f"{COUNT_KEYWORD}={found!r} ({where}): each replica receives the whole count, as one "
-        f"device does; outputs computed from it (a loss divided by it) are parts of the "
-        f"one-device value and are summed, others follow the gather rules (an output_rules "
-        f"entry for a path decides there)"
-    )

@@ -176,7 +176,7 @@ def warm_call(
     kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
     state = w.__dict__
     args, kws = step.cut(plan, inputs, kwargs)
-    args, kws = mark_inputs(args, kws)  # a loss's terms are observed (gather._terms)
+    args, kws = mark_inputs(args, kws)  # a loss's terms are observed (gather._loss)
     devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
     replicas = None if sets is None else sets.kept(module, step.resolved)

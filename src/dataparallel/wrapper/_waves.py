@@ -18,8 +18,8 @@ from torch import nn
 from dataparallel._common.tree import leaves, map_leaves
 from dataparallel._common.warn import warn_user
 from dataparallel.gather import (
-    CountRecord,
     Origins,
+    Record,
     ScalarMode,
     first_batch_size,
     gather_outputs,
@@ -221,7 +221,7 @@ def gather_all(
     steps: Overrides,
     method: str | None = None,
     origins: Origins | None = None,
-    count: CountRecord | None = None,
+    count: Record | None = None,
 ) -> Any:
     """The call's outputs gathered (or handed over, ``gather=False``, or to an overridden
     ``gather``). ``count``: the call's marks of ``num_items_in_batch``; the built-in gather

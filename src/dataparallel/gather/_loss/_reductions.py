@@ -1,40 +1,88 @@
-"""Losses that are means over tokens, not samples: exact on many devices.
+"""What torch's loss functions reduce by: each chunk's sum and denominator, and the criterion's.
 
-A chunk-weighted mean of per-chunk losses equals the one-device loss only when each chunk's
-loss is a mean over its samples. A language model's loss is a mean over the tokens that are
-not padding, and a class-weighted cross-entropy divides by the summed weights of the targets:
-chunks hold different amounts of either, so weighting by chunk size is close but not exact.
-
-The exact rule is to sum on each device and divide once by the global denominator. For
-torch's own mean-reduced losses, ``DataParallelCriterion`` does that through
-:class:`SumAndCount`: the criterion runs with ``reduction="none"``, each device returns the sum
-of its losses and its share of the denominator (the summed class weights of the targets that
-are not ``ignore_index`` for ``CrossEntropyLoss``/``NLLLoss`` with class-index targets, the
-number of loss elements otherwise), and :func:`combine` divides the global sum by the global
-denominator. The loss is read as it is on each call, never copied at construction: a change to
-it made later (``loss.label_smoothing = 0.1``, ``loss.reduction = "sum"``) is honoured.
+A mean-reduced torch loss is its summed per-element losses over a denominator: the weighted
+count of targets other than ``ignore_index`` (cross-entropy and NLL with class-index targets),
+the samples (CTC, whose mean is over loss / target length; KL's ``batchmean``), the elements
+otherwise. On several devices each chunk's sum and denominator are kept apart and the
+one-device mean is the sum of the sums over the sum of the denominators. Two callers use this:
+a loss function called in forward on a chunk's marked data (``_marks``), and
+``DataParallelCriterion``, whose loss runs outside the module (:class:`SumAndCount`). The loss
+is read as it is on each call, never copied at construction: a change made to it later
+(``loss.label_smoothing = 0.1``, ``loss.reduction = "sum"``) is honoured.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "LOSSES",
     "ScalarWeights",
     "SumAndCount",
     "chunk_weights",
     "combine",
+    "denominator",
     "exact_parts",
     "is_exact_mean",
+    "reduce_apart",
 ]
+
+# torch's loss functions (their modules call them): each dispatches on a marked argument
+_LOSS_NAMES = (
+    "cross_entropy nll_loss ctc_loss mse_loss l1_loss smooth_l1_loss huber_loss "
+    "binary_cross_entropy binary_cross_entropy_with_logits kl_div soft_margin_loss "
+    "multilabel_soft_margin_loss multi_margin_loss poisson_nll_loss gaussian_nll_loss "
+    "hinge_embedding_loss margin_ranking_loss cosine_embedding_loss"
+)
+LOSSES = {getattr(F, n): inspect.signature(getattr(F, n)) for n in _LOSS_NAMES.split()}
 
 # DataParallel's scalar_weights: a chunk's positional arguments and keyword arguments -> its
 # weight in the mean of scalar outputs (a number or a 0-dim tensor).
 ScalarWeights = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def reduce_apart(func: Any, a: dict[str, Any]) -> tuple[torch.Tensor, Any, bool]:
+    """A loss function's call (its bound ``a``rguments, plain) as ``(total, denominator,
+    elements)``: ``elements`` for ``reduction="none"`` (``total`` the per-element losses), a
+    ``None`` denominator for a sum."""
+    reduction = a.get("reduction", "mean")
+    a["reduction"] = "none"
+    losses = func(**a)
+    if reduction == "none":
+        return losses, None, True
+    if func is F.ctc_loss and reduction == "mean":  # a mean over samples of loss / length
+        lengths = torch.as_tensor(a["target_lengths"], device=losses.device)
+        total = (losses / lengths.clamp(min=1).to(losses.dtype)).sum()
+        return total, losses.shape[0] if losses.ndim else 1, False
+    if reduction == "sum":
+        return losses.sum(), None, False
+    if reduction == "batchmean":
+        return losses.sum(), a["input"].shape[0] if a["input"].ndim else 1, False
+    by_class = func in (F.cross_entropy, F.nll_loss)
+    return losses.sum(), denominator(by_class, a["target"], a, losses), False
+
+
+def denominator(by_class: bool, target: Any, a: Any, losses: torch.Tensor) -> Any:
+    """What torch's mean divides the summed losses by: for cross-entropy and NLL with
+    class-index targets (``by_class``), the summed class weights (``a["weight"]``) of the
+    targets other than ``a["ignore_index"]``; the count of loss elements otherwise."""
+    if by_class and isinstance(target, torch.Tensor) and not target.is_floating_point():
+        keep = target != a["ignore_index"]
+        weight = a["weight"]
+        if weight is None:
+            return keep.sum().to(losses.dtype)
+        safe = torch.where(keep, target, torch.zeros_like(target))
+        return (weight.to(losses.dtype)[safe] * keep).sum()
+    return losses.numel()
+
+
+# -- DataParallelCriterion ---------------------------------------------------------------------
 
 
 def is_exact_mean(criterion: Any) -> TypeGuard[nn.modules.loss._Loss]:
@@ -93,30 +141,18 @@ class SumAndCount(nn.Module):
         criterion = _unreduced(self.criterion)
         losses = criterion(output, target, *rest)
         total = losses.sum()
-        if self.by_class and isinstance(target, torch.Tensor) and not target.is_floating_point():
-            keep: torch.Tensor = target != criterion.ignore_index
-            weight = criterion.weight
-            if weight is None:
-                count = keep.sum().to(total.dtype)
-            else:
-                safe = torch.where(keep, target, torch.zeros_like(target))
-                count = (weight.to(total.dtype)[safe] * keep).sum()
-        else:
-            count = torch.tensor(float(losses.numel()), dtype=total.dtype, device=total.device)
+        a = {"weight": getattr(criterion, "weight", None)}
+        a["ignore_index"] = getattr(criterion, "ignore_index", None)
+        count = denominator(self.by_class, target, a, losses)
+        if not isinstance(count, torch.Tensor):
+            count = torch.tensor(float(count), dtype=total.dtype, device=total.device)
         return total, count
 
 
 def combine(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], target: torch.device) -> Any:
     """The global sum divided once by the global denominator, on ``target``."""
-    totals = [total.to(target) for total, _ in parts]
-    counts = [count.to(target) for _, count in parts]
-    total = totals[0]
-    for t in totals[1:]:
-        total = total + t
-    count = counts[0]
-    for c in counts[1:]:
-        count = count + c
-    return total / count
+    total = sum([t.to(target) for t, _ in parts[1:]], parts[0][0].to(target))
+    return total / sum([c.to(target) for _, c in parts[1:]], parts[0][1].to(target))
 
 
 def chunk_weights(
