@@ -17,7 +17,6 @@ from dataparallel.gather._loss import (
     SumAndCount,
     chunk_weights,
     combine,
-    exact_parts,
     is_exact_mean,
 )
 
@@ -25,8 +24,8 @@ CUTS = [5, 2, 3]  # chunk sizes of a batch of 10
 
 
 def _by_parts(criterion: nn.Module, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    parts = exact_parts(criterion)
-    assert parts is not None
+    assert is_exact_mean(criterion)
+    parts = SumAndCount(criterion)
     pieces = [parts(o, t) for o, t in zip(output.split(CUTS), target.split(CUTS), strict=True)]
     return combine(pieces, torch.device("cpu"))
 
@@ -105,7 +104,7 @@ class SameForward(nn.CrossEntropyLoss):
 )
 def test_is_exact_mean_takes_only_torchs_mean_losses(criterion: Any, exact: bool) -> None:
     assert is_exact_mean(criterion) is exact
-    assert (exact_parts(criterion) is not None) is exact
+    assert is_exact_mean(criterion) is exact
 
 
 def test_is_exact_mean_follows_a_later_change_of_reduction() -> None:

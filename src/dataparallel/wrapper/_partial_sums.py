@@ -1,18 +1,9 @@
-"""A call that passes ``num_items_in_batch``: each replica receives the whole count.
+"""Where a call passes ``num_items_in_batch`` (by keyword or by position), if it does.
 
-transformers' ``Trainer`` passes ``num_items_in_batch`` (the labelled-token count of the whole
-batch ``N``) to every model whose ``forward`` takes ``**kwargs``, in training, ``evaluate`` and
-``predict``; a causal LM then returns its token sum over ``N``, a sequence classifier ignores
-the count and returns its mean. Real forwards do more with a count than divide by it once:
-they guard it (``max(N, 1)``), take roots, use it as a size, return it, take it by position.
-
-So each replica receives the count as one device does, whole (an int stays an int, a tensor is
-a tensor on the replica's device), by keyword or by position, whatever ``scalars`` or
-``output_rules`` say. It receives it marked (``dataparallel.gather.Record``): what
-forward computes from it is marked too, and gather sums those outputs, the parts of the
-one-device value, while the outputs that ignore the count follow the usual rules. One chunk
-(every one-device call) passes the count as it is. This module finds the count in a call;
-``gather.mark_inputs`` hands each chunk its marked copy, in the pass that marks its data.
+transformers' ``Trainer`` passes the labelled-token count of the whole batch to every model
+whose ``forward`` takes ``**kwargs``. Each replica receives it whole and marked
+(``gather.mark_inputs``), and gather places what forward computed from it (``gather._loss``);
+one chunk (every one-device call) passes it as it is.
 """
 
 from __future__ import annotations

@@ -10,13 +10,12 @@ for those marks and for ``DataParallelCriterion``.
 from __future__ import annotations
 
 from dataparallel.gather._loss._inputs import mark_inputs, unmark_inputs
-from dataparallel.gather._loss._marks import COUNT_KEYWORD, Record, is_counted, is_marked, unmark
+from dataparallel.gather._loss._marks import COUNT_KEYWORD, Record, is_marked, unmark
 from dataparallel.gather._loss._reductions import (
     ScalarWeights,
     SumAndCount,
     chunk_weights,
     combine,
-    exact_parts,
     is_exact_mean,
 )
 from dataparallel.gather._loss._rule import (
@@ -34,9 +33,7 @@ __all__ = [
     "SumAndCount",
     "chunk_weights",
     "combine",
-    "exact_parts",
     "gather_marked",
-    "is_counted",
     "is_exact_mean",
     "is_marked",
     "mark_inputs",

@@ -1,38 +1,24 @@
 """The marks: what forward computed from a chunk's data, its loss terms, and the count.
 
-Design (issue 59). On several replicas each chunk's loss is a number made of terms, and the
-one-device loss is the same terms over the whole batch: a mean is each chunk's sum over the sum
-of each chunk's denominator, a sum is summed, a term that does not depend on the data counts
-once. Which term is which is observed, not guessed, at the only places a loss is made. Every
-mark is a ``Mark`` (``gather._outputs``): a torch op on a marked argument runs on plain
-tensors, and its result is marked from the marks of its arguments (``_mark_of``), one
-``__torch_function__`` for all of them (``_Marked``):
+Each chunk's loss is made of terms; the one-device loss is the same terms over the whole batch.
+Which term is which is observed, not guessed: a torch op on a marked argument runs on plain
+tensors and its result is marked from its arguments' marks (``_mark_of``), one
+``__torch_function__`` for every kind (``_Marked``):
 
-- **Marked data** (``Target``): in a call that passes an integer tensor (labels, ids), each
-  chunk's tensors are marked as the replica receives them (``_inputs``). An op whose tensors
-  are all marked (a shift, ``labels != -100``, a count ``mask.sum()``) gives marked results;
-  one that mixes in any other tensor gives plain ones, so the network's own ops pay one
-  dispatch at most, not one each (a ``TorchFunctionMode`` around forward would).
-- **The count** (``num_items_in_batch``): each replica receives the whole count, marked
-  (``Record.mark``: a ``Count`` tensor, or an int or float subclass whose arithmetic stays
-  marked). What is computed from the count alone (``n ** 0.5``, the count returned) is a
-  ``Count``, a constant the replicas agree on; what is computed from the count and anything
-  else (the chunk's token sum over ``N``) is a ``Part``, a term whose one part is a ``sum``.
-  A count turned into a Python number (``float(n)``, ``n.item()``) is noted in the call's
-  ``Record`` (``escaped``).
-- **Torch's loss functions** (``F.cross_entropy``, ``F.ctc_loss``, ... and so their modules)
-  dispatch on a marked argument: run with ``reduction="none"`` (``_reductions``), they give
-  the chunk's term as a numerator sum and torch's denominator; ``"none"`` gives per-element
-  values (``Elements``) whose later ``mean()``/``sum()`` is a term too.
-- **What forward makes of terms** (``Term``, holding its ``parts``): sums, differences and
-  constant multiples keep every part; a sum over a count computed from marked data or over
-  another sum is a mean; a sum over a Python number is decided at gather (a ``ratio``); a
-  number or plain tensor added is a ``const`` part. Anything else (a product of two means, as
-  an MoE load-balancing loss) is ``untold``, said at gather.
-
-Kinds of part: ``mean`` (num, den), ``sum`` (num), ``ratio`` (num, a Python number), ``const``
-(a value); each ``(kind, num, den, scale)``. How the replicas' parts are gathered is
-``_rule``'s.
+- ``Target``: a chunk's tensors in a call that passes an integer tensor (labels, ids), and
+  what is computed from them alone (a shift, ``labels != -100``, ``mask.sum()``); an op that
+  mixes in the network's tensors gives plain ones, so the network pays one dispatch at most.
+- ``Count``: ``num_items_in_batch``, whole on every replica (or an int or float subclass whose
+  arithmetic stays marked), and what is computed from it alone: a constant the replicas agree
+  on. ``Part``: computed from the count and anything else (the chunk's sum over ``N``), a term
+  whose one part is a ``sum``. A count turned into a Python number is noted (``Record``).
+- ``Elements``, ``Term``: torch's loss functions called on a mark run with
+  ``reduction="none"`` (``_reductions``), giving per-element values or a term: a ``mean``
+  (num, den) or ``sum`` (num) part. Sums, differences and constant multiples of terms keep
+  every part; a sum over a count from the data or over another sum is a mean; a sum over a
+  Python number is a ``ratio`` (decided at gather); a number or plain tensor added is a
+  ``const``; anything else (a product of two means) is ``untold``. Each part is ``(kind, num,
+  den, scale)``; how the replicas' parts are gathered is ``_rule``'s.
 """
 
 from __future__ import annotations
@@ -49,8 +35,6 @@ from dataparallel.gather._outputs import ESCAPES, Mark, retype
 
 __all__ = [
     "COUNT_KEYWORD",
-    "Count",
-    "Elements",
     "Part",
     "Record",
     "Target",
@@ -177,13 +161,9 @@ class _CountFloat(float):
 
 
 def _marked_number(record: Record, out: Any) -> Any:
-    if isinstance(out, bool) or out is NotImplemented:
-        return out
-    if isinstance(out, int):
-        return record.type_of(_CountInt)(out)
-    if isinstance(out, float):
-        return record.type_of(_CountFloat)(out)
-    return out
+    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        return out  # (NotImplemented, a complex)
+    return record.type_of(_CountInt if isinstance(out, int) else _CountFloat)(out)
 
 
 def _arith(base: type, name: str) -> Any:

@@ -1,14 +1,9 @@
 """What torch's loss functions reduce by: each chunk's sum and denominator, and the criterion's.
 
-A mean-reduced torch loss is its summed per-element losses over a denominator: the weighted
-count of targets other than ``ignore_index`` (cross-entropy and NLL with class-index targets),
-the samples (CTC, whose mean is over loss / target length; KL's ``batchmean``), the elements
-otherwise. On several devices each chunk's sum and denominator are kept apart and the
-one-device mean is the sum of the sums over the sum of the denominators. Two callers use this:
-a loss function called in forward on a chunk's marked data (``_marks``), and
-``DataParallelCriterion``, whose loss runs outside the module (:class:`SumAndCount`). The loss
-is read as it is on each call, never copied at construction: a change made to it later
-(``loss.label_smoothing = 0.1``, ``loss.reduction = "sum"``) is honoured.
+A torch mean is the summed losses over a denominator (``denominator``); each chunk's two are
+kept apart, and the one-device mean is the sum of the sums over the sum of the denominators.
+Two callers: a loss function called in forward on a chunk's marked data (``_marks``), and
+``DataParallelCriterion``'s loss, read as it is on each call (:class:`SumAndCount`).
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ __all__ = [
     "chunk_weights",
     "combine",
     "denominator",
-    "exact_parts",
     "is_exact_mean",
     "reduce_apart",
 ]
@@ -86,15 +80,9 @@ def denominator(by_class: bool, target: Any, a: Any, losses: torch.Tensor) -> An
 
 
 def is_exact_mean(criterion: Any) -> TypeGuard[nn.modules.loss._Loss]:
-    """True when ``criterion`` is, as it stands now, one of torch's mean-reduced losses whose
-    mean :class:`SumAndCount` can take exactly.
-
-    Read on every call, so a change made to the loss after construction
-    (``loss.reduction = "sum"``) is followed. False for anything else: a loss written by the
-    user (whose ``reduction`` attribute, if any, may not mean what torch's does), another
-    reduction, or ``CTCLoss`` (whose mean is a mean over samples, which chunk weighting
-    already gets exactly).
-    """
+    """True when ``criterion``, as it stands now (read on every call), is one of torch's own
+    mean-reduced losses: not the user's (whose ``reduction`` may mean something else), nor
+    ``CTCLoss`` (a mean over samples, which chunk weighting already gets exactly)."""
     if not isinstance(criterion, nn.modules.loss._Loss) or criterion.reduction != "mean":
         return False
     if isinstance(criterion, nn.CTCLoss):
@@ -105,18 +93,9 @@ def is_exact_mean(criterion: Any) -> TypeGuard[nn.modules.loss._Loss]:
     return bool(owner.__module__.startswith("torch.nn."))
 
 
-def exact_parts(criterion: Callable[..., Any]) -> SumAndCount | None:
-    """A :class:`SumAndCount` for ``criterion`` when :func:`is_exact_mean` holds, else
-    ``None``."""
-    return SumAndCount(criterion) if is_exact_mean(criterion) else None
-
-
 def _unreduced(criterion: nn.Module) -> Any:
-    """A view of ``criterion`` with ``reduction="none"``: a new object of its type whose
-    ``__dict__`` is a copy of the criterion's as it is now (its parameter, buffer and hook
-    tables shared), so its current ``weight``, ``ignore_index`` and ``label_smoothing`` apply
-    and the criterion itself is never written (replica 0 is the user's own loss object, and
-    another thread may be using it)."""
+    """A view of ``criterion`` with ``reduction="none"`` (a copy of its ``__dict__`` as it is
+    now): the user's object, which another thread may be using, is never written."""
     view = object.__new__(type(criterion))
     view.__dict__.update(criterion.__dict__)
     view.__dict__["reduction"] = "none"
@@ -124,12 +103,8 @@ def _unreduced(criterion: nn.Module) -> Any:
 
 
 class SumAndCount(nn.Module):
-    """Runs a mean-reduced torch loss as ``(sum of its losses, its denominator)``.
-
-    It holds the user's loss itself, not a copy: each call runs a ``reduction="none"`` view of
-    the loss as it is at that moment, so later changes to it (``label_smoothing``,
-    ``ignore_index``, ``weight``) are honoured. The user's object is never changed.
-    """
+    """Runs a mean-reduced torch loss as ``(sum of its losses, its denominator)``; holds the
+    user's loss itself, so later changes to it (``label_smoothing``, ``weight``) are honoured."""
 
     def __init__(self, criterion: nn.Module) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ from dataparallel.gather._loss._marks import (
     parts_of,
     unmark,
 )
-from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, move, sum_all
+from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
 
 __all__ = ["gather_marked", "mean_of", "refuse_escaped", "summing_note", "terms_note"]
 
@@ -68,9 +68,8 @@ def _gather_counted(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
     batched tensor (each replica's has its chunk size along ``dim``) is concatenated."""
     part = any(isinstance(v, Part) for v in values)  # never a value of the count alone
     plain = [unmark(v) for v in values]
-    target = ctx.target
     tensors = [v for v in plain if isinstance(v, torch.Tensor)]
-    if tensors and any(t.ndim for t in tensors):
+    if any(t.ndim for t in tensors):
         if not all(isinstance(v, torch.Tensor) and v.ndim for v in plain):
             raise ValueError(
                 f"{fmt(path)}: computed from {COUNT_KEYWORD}, but a tensor on some replicas "
@@ -82,12 +81,8 @@ def _gather_counted(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
             v.shape[ctx.dim % v.ndim] == n for v, n in zip(plain, ctx.sizes, strict=True)
         ):
             return walk(plain)
-        plain = [move(v, target) for v in plain]
-    elif tensors:
-        moved = [torch.as_tensor(v, device=target) for v in plain]
-        if part or any(v.requires_grad for v in moved) or not arrays_equal(moved):
-            return sum_all(moved)
-        return move(plain[0], target) if isinstance(plain[0], torch.Tensor) else moved[0]
+    if tensors:  # (as_tensor moves a tensor as .to does, and makes one of a number)
+        plain = [torch.as_tensor(v, device=ctx.target) for v in plain]
     grad = any(getattr(v, "requires_grad", False) for v in plain)
     agreed = arrays_equal(plain) if tensors else all_equal(plain)
     return plain[0] if not part and not grad and agreed else sum_all(plain)
