@@ -309,7 +309,7 @@ def _mark_of(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         return retype(out, Elements)
     if func in ESCAPES:
         return out
-    record = _record(args, kwargs)
+    record = _record((*found, *args, *kwargs.values()))
     if record is not None:  # computed from the count: alone, or with anything else
         inputs = (args[1:], kwargs) if func in _FACTORIES else (args, kwargs)
         alone = all(
@@ -330,9 +330,9 @@ def _mark_of(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
     return _convert(out, Target)
 
 
-def _record(args: Any, kwargs: Any) -> Record | None:
+def _record(inputs: Any) -> Record | None:
     """The call's record where the count took part in an op (a marked tensor or number)."""
-    for x in tree_leaves((args, kwargs)):
+    for x in inputs:
         if isinstance(x, (Count, _CountInt, _CountFloat)):
             return x.record
     return None
