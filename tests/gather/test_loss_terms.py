@@ -239,6 +239,25 @@ def test_a_penalty_beside_a_count_scaled_sum_of_floats_counts_once(
     _same(CountedRegression(), devices, x, y, num_items_in_batch=kind(18))
 
 
+def test_a_chunk_mean_beside_a_count_scaled_sum_is_told_and_kept_as_a_mean() -> None:
+    """A term of the chunk's data added to the count's part is not a part of it: told, and
+    kept as its chunk-size mean (exact for this mean over samples); before, summed."""
+
+    class WithMean(CountedRegression):
+        def forward(self, x: torch.Tensor, y: torch.Tensor, num_items_in_batch: Any) -> Any:
+            return super().forward(x, y, num_items_in_batch) + x.abs().mean()
+
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+    model = WithMean()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = dp.DataParallel(model, ["cpu", "cpu"])(x, y, num_items_in_batch=18)
+    told = [str(w.message) for w in caught if "cannot be re-formed" in str(w.message)]
+    assert len(told) == 1 and "a term added that differs between chunks" in told[0], told
+    assert_close_rel(got, model(x, y, num_items_in_batch=18), msg="loss")
+
+
 # -- told: what cannot be re-formed -----------------------------------------------------------
 
 

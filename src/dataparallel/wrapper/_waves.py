@@ -225,7 +225,7 @@ def gather_all(
 ) -> Any:
     """The call's outputs gathered (or handed over, ``gather=False``, or to an overridden
     ``gather``). ``count``: the call's marks of ``num_items_in_batch``; the built-in gather
-    sums what was computed from it, and re-forms the loss terms forward built (``_terms``);
+    sums what was computed from it, and re-forms the loss terms forward built (``gather._loss``);
     code of the user's receives plain values. ``weigh``: the ``scalar_weights``, read when a
     mean needs them."""
     user = not w.gather_outputs or steps.gather  # the user's code takes them, or one output
