@@ -239,6 +239,27 @@ def test_a_penalty_beside_a_count_scaled_sum_of_floats_counts_once(
     _same(CountedRegression(), devices, x, y, num_items_in_batch=kind(18))
 
 
+class ClassSums(nn.Module):
+    """Per-class squared-error sums over the count, weighed by a plain vector (``@``): a
+    tensor computed from the count that is not one number stays a part, summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, num_items_in_batch: Any) -> Any:
+        per_class = (self.head(x) - y).pow(2).sum(0) / num_items_in_batch
+        return torch.tensor([1.0, 2.0, 0.5]) @ per_class
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=len)
+def test_a_per_class_part_of_the_count_weighed_by_a_vector(devices: list[str]) -> None:
+    gen = torch.Generator().manual_seed(10)
+    x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+    _same(ClassSums(), devices, x, y, num_items_in_batch=torch.tensor(18))
+
+
 def test_a_chunk_mean_beside_a_count_scaled_sum_is_told_and_kept_as_a_mean() -> None:
     """A term of the chunk's data added to the count's part is not a part of it: told, and
     kept as its chunk-size mean (exact for this mean over samples); before, summed."""

@@ -383,8 +383,9 @@ def _combine(func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         return out
     a = args[0] if args else None
     b = args[1] if len(args) > 1 else kwargs.get("other")
-    counted = any(is_counted(x) for x in _tensors(args, kwargs)) or is_counted(b)
-    if out.numel() != 1 or (isinstance(a, Part) and a.numel() != 1):
+    found = _tensors(args, kwargs)
+    counted = any(map(is_counted, found)) or is_counted(b)
+    if out.numel() != 1 or any(isinstance(x, Part) and x.numel() != 1 for x in found):
         return _convert(out, Part) if counted else out  # (a per-class sum over the count)
     if not (out.is_floating_point() or out.is_complex()):
         return out
