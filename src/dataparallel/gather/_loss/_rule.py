@@ -5,9 +5,10 @@ values are combined as forward built them. The first rule that holds decides:
 
 1. ``output_rules={path: ...}``: the user's rule for the path (``_walk``, before any other).
 2. **Computed from ``num_items_in_batch``** (``_marks``' ``Count``, ``Part`` and marked
-   numbers), not one loss term: a value of the count alone comes back once where the replicas
-   agree (summed where they do not), a part of the one-device value (the chunk's sum over the
-   whole ``N``, a per-class sum over it) is summed, a batched tensor is concatenated.
+   numbers), unless a 0-dim term on every replica (rule 3: a 0-dim ``Part`` is a term whose
+   one part is a sum): a value of the count alone comes back once where the replicas agree
+   (summed where they do not), a part of the one-device value (a per-class sum over ``N``) is
+   summed, a batched tensor is concatenated.
 3. **Loss terms** forward built (``Term``), under ``scalars="mean"``, or whatever ``scalars``
    says where the count took part: re-formed over the whole batch, part by part (a mean's sums
    over the sum of its denominators, a sum summed, a constant once, a sum over a Python number
@@ -52,9 +53,8 @@ __all__ = ["gather_marked", "mean_of", "refuse_escaped", "summing_note", "terms_
 def gather_marked(values: list[Any], path: Any, ctx: Any, walk: Callable[[list[Any]], Any]) -> Any:
     """The replicas' values at ``path``, one at least marked (rules 2 to 4); ``walk(plain
     values)`` gathers them by the rules for their kind where no mark decides."""
-    terms = all(isinstance(v, Term) and v.numel() == 1 for v in values)
     counted = any(map(is_counted, values))
-    if counted and not (terms and all(v.ndim == 0 for v in values)):
+    if counted and not all(isinstance(v, Term) and v.ndim == 0 for v in values):
         return _gather_counted(values, path, ctx, walk)  # rule 2
     if any(isinstance(v, Term) for v in values) and (ctx.scalars == "mean" or counted):
         return _gather_terms(values, path, ctx, walk)  # rules 3 and 4
