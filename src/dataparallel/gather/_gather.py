@@ -63,8 +63,6 @@ class _Context:
     """What every step of one gather needs; built once per call."""
 
     __slots__ = (
-        "_weigh",
-        "_weights",
         "count",
         "counts",
         "dim",
@@ -78,8 +76,9 @@ class _Context:
         "squeezed",
         "states",
         "target",
-        "total",
         "warned",
+        "weigh",
+        "weighed",
         "weights",
     )
 
@@ -101,11 +100,11 @@ class _Context:
         self.counts: tuple[float, ...] = sizes if sizes is not None and sum(sizes) > 0 else (1,) * n
         if scalar_weights is not None and sum(scalar_weights) > 0:
             self.counts = scalar_weights  # e.g. each chunk's count of labelled tokens
-        self.total = sum(self.counts)
-        self.weights = tuple(c / self.total for c in self.counts)
-        # The wrapper's scalar_weights, called only when a mean needs them: see ``counts_at``.
-        self._weigh = weigh
-        self._weights: tuple[float, ...] | None = None
+        self.weights = tuple(c / sum(self.counts) for c in self.counts)
+        # The wrapper's scalar_weights, called only when a mean needs them (``_loss._rule``),
+        # and what they gave
+        self.weigh = weigh
+        self.weighed: tuple[float, ...] | None = None
         self.rules: dict[str, int | str] | None = None  # output_rules, by formatted path
         self.seen: list[str] = []  # the paths walked, when rules are given (for a typo)
         self.module: nn.Module | None = None
@@ -122,25 +121,6 @@ class _Context:
         # (path, rule) of 0-dim outputs of 1-sample chunks: a loss or a squeezed per-sample
         # output, which no rule can tell apart (one warning per call, after the walk)
         self.squeezed: list[tuple[str, str]] = []
-
-    def counts_at(self, path: Any) -> tuple[float, ...]:
-        """Each replica's weight in the ``"mean"`` of the output at ``path``: the wrapper's
-        ``scalar_weights`` where it has them (read on first need), else ``counts`` (chunk
-        sizes, or ``gather``'s ``scalar_weights``)."""
-        if self._weigh is None:
-            return self.counts
-        if self._weights is None:
-            found = self._weigh()
-            self._weights = tuple(found) if found is not None and sum(found) > 0 else self.counts
-        return self._weights
-
-    def weights_at(self, path: Any) -> tuple[float, ...]:
-        """``counts_at(path)`` over their sum: the factors of that output's ``"mean"``."""
-        counts = self.counts_at(path)
-        if counts is self.counts:
-            return self.weights
-        total = sum(counts)
-        return tuple(c / total for c in counts)
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
         """The module's RNN hidden-state shapes, read once per gather, on first need."""

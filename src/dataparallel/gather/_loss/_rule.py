@@ -196,14 +196,22 @@ def refuse_escaped(values: list[Any], path: Any, ctx: Any) -> None:
 
 
 def mean_of(values: list[Any], path: Any, ctx: Any) -> Any:
-    """Rule 6's mean: each replica's value weighed by its chunk size, or by the
-    ``scalar_weights`` (read here, on first need). Tensors (``as_tensor``'d to the target)
-    weigh by weights, not counts, so a float16 loss cannot overflow, and a replica of weight 0
-    adds nothing, not 0 * NaN (a chunk whose loss has no element); numbers by counts."""
+    """Rule 6's mean: each replica's value weighed by the wrapper's ``scalar_weights`` (the
+    user's override, called here, on the first mean of the call: never on a call without a
+    scalar to weigh), else by ``ctx.counts`` (chunk sizes, or ``gather``'s ``scalar_weights``).
+    Tensors (``as_tensor``'d to the target) weigh by weights, not counts, so a float16 loss
+    cannot overflow, and a replica of weight 0 adds nothing, not 0 * NaN (a chunk whose loss
+    has no element); numbers by counts."""
+    counts = ctx.counts
+    if ctx.weigh is not None:
+        if ctx.weighed is None:
+            found = ctx.weigh()
+            ctx.weighed = tuple(found) if found is not None and sum(found) > 0 else counts
+        counts = ctx.weighed
     if not isinstance(values[0], torch.Tensor):
-        counts = ctx.counts_at(path)
         return sum_all([v * c for v, c in zip(values, counts, strict=True) if c]) / sum(counts)
-    mean = sum_all([t * w for t, w in zip(values, ctx.weights_at(path), strict=True) if w])
+    weights = ctx.weights if counts is ctx.counts else [c / sum(counts) for c in counts]
+    mean = sum_all([t * w for t, w in zip(values, weights, strict=True) if w])
     if any(t.requires_grad for t in values):
         return mean  # a loss: its gradient must be the weighted one, even where values agree
     first = values[0]
