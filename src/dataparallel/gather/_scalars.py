@@ -1,7 +1,7 @@
 """Gather rule 2, scalars: numbers, numpy numbers, 0-dim tensors and ndarrays.
 
-Losses are averaged by chunk size (so a mean-reduced loss equals the one-device loss), summed,
-or stacked, as ``scalars`` says; booleans come back once if equal, else are refused (naming
+Floating scalars are averaged (how a loss is weighed is ``_loss._rule``'s), summed, or
+stacked, as ``scalars`` says; booleans come back once if equal, else are refused (naming
 ``output_rules``' ``"all"`` and ``"any"``); a value each replica received rather than computed
 (a buffer, an input) comes back once; integers tell counts
 (summed) from constants (kept), as the guide's "The gather rules, in short" say. ``gather``
@@ -22,7 +22,7 @@ from dataparallel.gather._outputs import all_equal, fmt, move, sum_all
 
 __all__ = ["gather_scalars"]
 
-# ``gather``'s context (target, scalars, sizes, counts, total, weights) and output path.
+# ``gather``'s context (target, scalars, sizes, counts, weights) and output path.
 _Ctx = Any
 _Path = Any
 
@@ -36,7 +36,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
             return moved[0]
         raise _booleans_differ(values, path)
     if ctx.count is not None:
-        refuse_escaped(values, path, ctx)  # the loss rules' 5 and 6: _loss._rule
+        refuse_escaped(values, path, ctx)  # (_loss._rule's rule 5; mean_of is its 6)
     if ctx.scalars == "stack":
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
     sizes = ctx.sizes
