@@ -90,3 +90,81 @@ def test_a_growing_table_whose_last_item_is_replaced_by_a_module(grown: int) -> 
         wrapper(x)
         ref(x)
         assert par.counter.calls == ref.counter.calls, f"call {step}"
+
+
+# A forward hook of a module-level function that reads a global, as a script's hook does. A
+# script's loop at module level writes its module's dictionary on every step, so the function's
+# globals are compared by the names it reads, not by that dictionary's write version alone.
+_TARGET: Any = None
+_STEP = 0
+
+
+def _count_target(module: nn.Module, inputs: Any, output: Any) -> None:
+    if isinstance(_TARGET, Counter):
+        _TARGET.calls += 1
+
+
+def _hooked() -> Carrier:
+    model = Carrier(4)
+    model.register_forward_hook(_count_target)
+    return model
+
+
+def test_a_hook_whose_module_globals_move_every_step_is_not_compared_in_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    global _STEP
+    from dataparallel.replicate import _holders
+
+    wrapper = dp.DataParallel(_hooked(), ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    wrapper(x)
+    read: list[Any] = []
+    real = _holders.contents
+
+    def counted(value: Any) -> list[Any]:
+        if callable(value):
+            read.append(value)
+        return real(value)
+
+    monkeypatch.setattr(_holders, "contents", counted)
+    for _ in range(4):
+        _STEP += 1  # the module's dictionary written, as a script's loop does
+        wrapper(x)
+    # before: the hook's whole contents (its code, cells and every global it reads) per call
+    assert read == []
+    assert wrapper(x).shape == (4, 2)
+
+
+def test_a_global_a_hook_reads_rebound_to_a_module_is_seen_when_the_globals_move() -> None:
+    global _STEP, _TARGET
+    model = _hooked()
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    try:
+        for step in range(5):
+            _STEP += 1
+            if step == 2:
+                _TARGET = model.counter  # on one device: +1 per call from here on
+            wrapper(x)
+            assert model.counter.calls == max(0, step - 1), f"call {step}"
+    finally:
+        _TARGET = None
+
+
+def test_a_record_at_a_sampled_place_of_a_large_table_replaced_by_a_module() -> None:
+    ref = Carrier(300)
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    for step in range(4):
+        if step == 1:
+            for model in (ref, par):
+                model.table.append({"id": -1})  # grown: its new part searched
+        if step == 2:  # the first item is always a sampled place; the last three are read
+            for model in (ref, par):
+                model.table[0] = model.counter
+                model.table.extend([model.counter] * 3)
+        wrapper(x)
+        ref(x)
+        assert par.counter.calls == ref.counter.calls, f"call {step}"

@@ -28,7 +28,15 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from dataparallel.replicate._copy import Mapping, Pass, contents, function_own, plain_record
+from dataparallel.replicate._copy import (
+    _ABSENT,
+    Mapping,
+    Pass,
+    contents,
+    function_own,
+    global_names,
+    plain_record,
+)
 
 __all__ = ["BIG", "SAMPLES", "Held"]
 
@@ -60,7 +68,7 @@ class Held:
     """One watched holder: the object, what it held when read (identities), and the cheap
     state it is compared by first (a dictionary's version, a large list's samples)."""
 
-    __slots__ = ("at", "held", "obj", "own", "sample", "version")
+    __slots__ = ("at", "held", "names", "obj", "own", "sample", "sampled", "version")
 
     def __init__(self, obj: Any, held: list[Any]) -> None:
         self.obj = obj
@@ -68,6 +76,8 @@ class Held:
         self.version: int | None = None
         self.sample: Callable[[Any], Any] | None = None
         self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
+        self.names: list[str] = []  # a function's globals, in ``contents``' order
+        self.sampled: tuple[Any, ...] = ()  # a large list's held items at the sampled places
         self.at = 0  # a large list's length when its places were chosen
         self._cheap()
 
@@ -80,10 +90,13 @@ class Held:
             # dictionary's version is (a global rebound, added or deleted moves it).
             self.version = _VERSION(obj.__globals__)
             self.own = len(function_own(obj))
+            self.names = sorted(global_names(obj.__code__)[0])
         elif isinstance(obj, list) and len(obj) > BIG:
             n = self.at = len(obj)
             places = sorted({*range(0, n, max(1, n // SAMPLES)), n - 1})
             self.sample = operator.itemgetter(*places)
+            # Side by side: the held copy's places lie apart in memory, one read each per call.
+            self.sampled = self.sample(self.held)
 
     def still(self, probe: Mapping) -> bool:
         """Whether the holder holds what it held, or only grew by items that lead to no module
@@ -95,9 +108,23 @@ class Held:
             if not own:
                 if _VERSION is not None and _VERSION(obj) == version:
                     return True
-            elif _VERSION is not None and _VERSION(obj.__globals__) == version:
+            elif _VERSION is not None:
                 now = function_own(obj)
-                return len(now) == own and all(map(operator.is_, now, self.held))
+                if len(now) != own or not all(map(operator.is_, now, self.held)):
+                    return False
+                g = obj.__globals__
+                moved = _VERSION(g)
+                if moved == version:
+                    return True
+                # Its module's dictionary written (a script's loop at module level writes it
+                # on every step): the globals it reads, by name (its code is the same).
+                names, rest = self.names, self.held[own:]
+                if len(names) == len(rest) and all(
+                    map(operator.is_, [g.get(n, _ABSENT) for n in names], rest)
+                ):
+                    self.version = moved
+                    return True
+                return False
         elif self.sample is not None:
             return self._list_still(obj, probe)
         now = contents(obj)
@@ -116,7 +143,7 @@ class Held:
             return False
         # The sampled places, and the last item (the places are chosen again only once the
         # list grew by one spacing of them).
-        if obj[n - 1] is not held[n - 1] or not all(map(operator.is_, sample(obj), sample(held))):
+        if obj[n - 1] is not held[n - 1] or not all(map(operator.is_, sample(obj), self.sampled)):
             return False
         if len(obj) == n:
             return True
