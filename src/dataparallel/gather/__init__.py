@@ -34,6 +34,7 @@ from dataparallel.gather._output_rules import check_output_rules
 from dataparallel.gather._terms import (
     is_marked,
     mark_inputs,
+    marks_plain,
     terms_note,
     unmark_inputs,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "is_exact_mean",
     "is_marked",
     "mark_inputs",
+    "marks_plain",
     "terms_note",
     "unmark",
     "unmark_inputs",

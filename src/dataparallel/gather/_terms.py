@@ -378,8 +378,16 @@ def mark_inputs(
     return new_args, new_kws
 
 
+def marks_plain(inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """``mark_inputs``' decision for a call of plain tensors only (the warm call's), read from
+    the call's own tensors: each chunk's are their parts, of the same dtype and dimensions."""
+    return any(map(_integers, inputs)) or (bool(kwargs) and any(map(_integers, kwargs.values())))
+
+
 def unmark_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A wrapper's call inside another's replica: its arguments plain (it marks its own)."""
+    if not kwargs and len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
+        return inputs, kwargs  # the most common call: one plain tensor, which is not marked
     if any(map(is_marked, inputs)) or any(map(is_marked, kwargs.values())):
         return tuple(map(_strip, inputs)), {k: _strip(v) for k, v in kwargs.items()}
     return inputs, kwargs
