@@ -31,6 +31,7 @@ from dataparallel.devices import device_type
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
 from dataparallel.parallel_apply._pool import _local, _run_on_pool, pool_pid, workers
+from dataparallel.parallel_apply._spans import settled
 from dataparallel.parallel_apply._task import _reraise, _Task
 from dataparallel.replicate import check_writes
 
@@ -99,7 +100,7 @@ class TaskSlots:
         """Replica 0's part of what follows the join, done while the others still run."""
         task = self.tasks[0]  # type: ignore[index]
         span = task.span
-        self.timings.append(float("nan") if span is None else span.settled())
+        self.timings.append(span if type(span) is float else settled(span))
         if self.check and task.error is None and self.on_first is not None:
             on_first = self.on_first()
             if on_first is not None:
@@ -166,7 +167,7 @@ def apply_kept(
             _reraise(tasks)
         for task in tasks[1:]:  # (replica 0's timing was taken meanwhile)
             span = task.span
-            timings.append(float("nan") if span is None else span.settled())
+            timings.append(span if type(span) is float else settled(span))
             if task.error is not None:
                 _reraise(tasks)
         check_writes(modules)
