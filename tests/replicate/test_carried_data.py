@@ -142,12 +142,14 @@ def test_a_global_a_hook_reads_rebound_to_a_module_is_seen_when_the_globals_move
     wrapper = dp.DataParallel(model, ["cpu", "cpu"])
     x = torch.randn(4, 3)
     try:
-        for step in range(5):
+        for step in range(7):
             _STEP += 1
             if step == 2:
                 _TARGET = model.counter  # on one device: +1 per call from here on
+            if step == 5:
+                _TARGET = None  # and none from here on
             wrapper(x)
-            assert model.counter.calls == max(0, step - 1), f"call {step}"
+            assert model.counter.calls == min(max(0, step - 1), 3), f"call {step}"
     finally:
         _TARGET = None
 
@@ -168,3 +170,44 @@ def test_a_record_at_a_sampled_place_of_a_large_table_replaced_by_a_module() -> 
         wrapper(x)
         ref(x)
         assert par.counter.calls == ref.counter.calls, f"call {step}"
+
+
+# A module-level hook that reads a step counter and a scale the script's loop rebinds on every
+# step, as a logging hook does (issue 60's history row: 13.6 ms a call after 3,000 calls).
+_LOG: list[dict[str, Any]] = []
+_SCALE = 1.0
+
+
+def _log_and_scale(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    _LOG.append({"step": _STEP, "rows": int(output.shape[0])})
+    return output * _SCALE
+
+
+def _fills(wrapper: dp.DataParallel) -> int:
+    sets = wrapper.__dict__["_replica_sets"]
+    return sum(entry.fills for entry in sets.sets.values())
+
+
+def test_a_hook_reading_globals_a_loop_rebinds_to_plain_values_is_not_searched_again() -> None:
+    global _STEP, _SCALE
+    _LOG.extend({"step": -1, "rows": 0} for _ in range(300))  # a log past its first records
+    model = Carrier(4)
+    model.register_forward_hook(_log_and_scale)
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    try:
+        wrapper(x)
+        fills = _fills(wrapper)
+        for step in range(5):
+            _STEP += 1  # an int rebound, read by the hook
+            _SCALE = 1.0 + step / 4  # a float rebound, read by the hook
+            got = wrapper(x)
+            with torch.no_grad():
+                expected = model.lin(x) * _SCALE
+            scale = expected.abs().max().item()
+            assert (got - expected).abs().max().item() <= 1e-6 * scale, f"call {step}"
+        # before: each call refilled the replicas and searched what the hook reaches again
+        assert _fills(wrapper) == fills
+    finally:
+        _SCALE = 1.0
+        _LOG.clear()

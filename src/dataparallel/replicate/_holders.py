@@ -14,7 +14,10 @@ and still sees the writes that matter:
   that only grew (``history.append(record)``) is searched in its new part only, and, when that
   part leads to no module of the tree, taken as it is now without a refill;
 - a function by its own part (code, cells, defaults) item by item, and the globals it reads
-  by its module's dictionary's write version, in one read; each of them only when it moved;
+  by its module's dictionary's write version, in one read; when that moved (a script's loop at
+  module level writes it on every step), by name, from the list of names kept with it; a
+  global that changed from one plain value to another (a step counter) is taken as it is now,
+  without a refill (nothing of the tree is rebound in its place);
 - anything else (small holders, objects) item by item, as before.
 
 What this does not see: an item replaced in the middle of a large list, away from the places
@@ -28,6 +31,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dataparallel.replicate._copy import (
     _ABSENT,
     Mapping,
@@ -38,10 +43,14 @@ from dataparallel.replicate._copy import (
     plain_record,
 )
 
-__all__ = ["BIG", "SAMPLES", "Held"]
+__all__ = ["BIG", "PLAIN_GLOBALS", "SAMPLES", "Held"]
 
 BIG = 256  # a list longer than this is compared by length and samples
 SAMPLES = 32
+# A function's global whose value changes between two plain values of these types needs no
+# refill (``Held._plain_globals``). Not tensors: a parameter of the tree read as a global is
+# rebound to the replicas' own.
+PLAIN_GLOBALS = frozenset((bool, int, float, complex, str, bytes, type(None), torch.dtype))
 
 
 def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
@@ -119,12 +128,13 @@ class Held:
                 # Its module's dictionary written (a script's loop at module level writes it
                 # on every step): the globals it reads, by name (its code is the same).
                 names, rest = self.names, self.held[own:]
-                if len(names) == len(rest) and all(
-                    map(operator.is_, [g.get(n, _ABSENT) for n in names], rest)
-                ):
-                    self.version = moved
-                    return True
-                return False
+                if len(names) != len(rest):
+                    return False
+                now = [g.get(n, _ABSENT) for n in names]
+                if not all(map(operator.is_, now, rest)) and not self._plain_globals(now):
+                    return False
+                self.version = moved
+                return True
         elif self.sample is not None:
             return self._list_still(obj, probe)
         now = contents(obj)
@@ -133,6 +143,22 @@ class Held:
             return False
         if version is not None:  # written back to what it held
             self._cheap()
+        return True
+
+    def _plain_globals(self, now: list[Any]) -> bool:
+        """Whether every global of a function that changed (``now`` against the held ones,
+        by name) was a plain value before and is one now (a script's step counter, a learning
+        rate); then they are taken as they are now. Such a value leads to no module, before
+        or after, and is never rebound: a replica's function reads it from the module's
+        dictionary, live, as the function itself does (``_copy``'s ``_Globals``)."""
+        held, own = self.held, self.own
+        changed = [i for i, value in enumerate(now) if value is not held[own + i]]
+        if not all(
+            type(now[i]) in PLAIN_GLOBALS and type(held[own + i]) in PLAIN_GLOBALS for i in changed
+        ):
+            return False
+        for i in changed:
+            held[own + i] = now[i]
         return True
 
     def _list_still(self, obj: list[Any], probe: Mapping) -> bool:
