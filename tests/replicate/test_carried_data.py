@@ -211,3 +211,31 @@ def test_a_hook_reading_globals_a_loop_rebinds_to_plain_values_is_not_searched_a
     finally:
         _SCALE = 1.0
         _LOG.clear()
+
+
+class Registry(nn.Module):
+    """A large list that holds a module of the tree (so each replica holds its own copy) and
+    records appended later; forward reads the list's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.items: list[Any] = [self.lin, *({"id": i} for i in range(300))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * len(self.items)
+
+
+def test_a_large_list_the_replicas_copy_grown_by_records_is_refilled() -> None:
+    ref = Registry()
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    for step in range(4):
+        if step:
+            for model in (ref, par):
+                model.items.append({"id": -step})
+        with torch.no_grad():
+            got, expected = wrapper(x), ref(x)
+        # before: replica 1 kept its copy of the list without the new records (off by 0.33)
+        assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item(), step

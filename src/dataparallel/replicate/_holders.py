@@ -12,7 +12,9 @@ and still sees the writes that matter:
 - a large list (over :data:`BIG` items) by its length, its last item and its items at
   :data:`SAMPLES` fixed places (chosen again each time it grew by one spacing of them); one
   that only grew (``history.append(record)``) is searched in its new part only, and, when that
-  part leads to no module of the tree, taken as it is now without a refill;
+  part leads to no module of the tree and the replicas share the list (the search left it as
+  it is), taken as it is now without a refill (a list the replicas hold copies of, one that
+  holds a module of the tree, is refilled: their copies lack the new items);
 - a function by its own part (code, cells, defaults) item by item, and the globals it reads
   by its module's dictionary's write version, in one read; when that moved (a script's loop at
   module level writes it on every step), by name, from the list of names kept with it; a
@@ -77,11 +79,15 @@ class Held:
     """One watched holder: the object, what it held when read (identities), and the cheap
     state it is compared by first (a dictionary's version, a large list's samples)."""
 
-    __slots__ = ("at", "held", "names", "obj", "own", "sample", "sampled", "version")
+    __slots__ = ("at", "held", "names", "obj", "own", "sample", "sampled", "shared", "version")
 
-    def __init__(self, obj: Any, held: list[Any]) -> None:
+    def __init__(self, obj: Any, held: list[Any], shared: bool = False) -> None:
         self.obj = obj
         self.held = held
+        # Left shared by the search (it led nowhere): the replicas read this very object. A
+        # holder it copied (it leads to the tree) has a copy per replica, which a write to
+        # the original, of anything, leaves behind: only a refill brings it along.
+        self.shared = shared
         self.version: int | None = None
         self.sample: Callable[[Any], Any] | None = None
         self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
@@ -173,6 +179,8 @@ class Held:
             return False
         if len(obj) == n:
             return True
+        if not self.shared:  # each replica's own copy lacks the new items
+            return False
         # Grown: the old part the same where compared, the new part searched alone.
         new = obj[n:]
         search: Pass | None = None  # made for the first item that is not a plain record
