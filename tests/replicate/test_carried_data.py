@@ -239,3 +239,46 @@ def test_a_large_list_the_replicas_copy_grown_by_records_is_refilled() -> None:
             got, expected = wrapper(x), ref(x)
         # before: replica 1 kept its copy of the list without the new records (off by 0.33)
         assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item(), step
+
+
+class Stats(nn.Module):
+    """A module that carries a small stats dict and a young history, both written by the
+    training loop between calls (plain values only); forward reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.stats: dict[str, Any] = {"step": 0, "lr": 0.1}
+        self.history: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (1 + self.stats["step"] * self.stats["lr"] + len(self.history))
+
+
+def test_holders_changed_by_plain_values_between_calls_need_no_refill() -> None:
+    ref = Stats()
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    wrapper(x)
+    fills = _fills(wrapper)
+    for step in range(1, 6):
+        for model in (ref, par):
+            model.stats["step"] = step
+            model.stats["lr"] = 0.1 / step
+            model.history.append({"step": step, "loss": 0.5})
+        with torch.no_grad():
+            got, expected = wrapper(x), ref(x)
+        assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item(), step
+    # before: every call refilled the module's replicas and searched it again
+    assert _fills(wrapper) == fills
+    for model in (ref, par):  # a module put there later is still seen
+        model.history.append(model.lin)
+        model.stats["step"] = model.lin
+    assert _fills(wrapper) == fills
+    with torch.no_grad():
+        wrapper.module.stats["step"] = 0
+        ref.stats["step"] = 0
+        got, expected = wrapper(x), ref(x)
+    assert _fills(wrapper) == fills + 1
+    assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()

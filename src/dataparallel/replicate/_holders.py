@@ -20,7 +20,9 @@ and still sees the writes that matter:
   module level writes it on every step), by name, from the list of names kept with it; a
   global that changed from one plain value to another (a step counter) is taken as it is now,
   without a refill (nothing of the tree is rebound in its place);
-- anything else (small holders, objects) item by item, as before.
+- anything else (small holders, objects) item by item, as before; one the replicas share that
+  changed by plain values alone (a counter in a stats dict, a young history's new records) is
+  taken as it is now, without a refill.
 
 What this does not see: an item replaced in the middle of a large list, away from the places
 compared (the guide says so).
@@ -73,6 +75,25 @@ def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
 
 
 _VERSION = _dict_version_reader()
+
+
+def _plain_change(obj: Any, held: list[Any], now: list[Any]) -> bool:
+    """Whether a holder the replicas share changed by plain values alone: the same length,
+    each changed item a plain value before and after (a counter in a stats dict), or a list
+    that only grew by plain values and plain records (a young history). Such a change leads
+    to no module: the replicas read the holder itself, as it is now."""
+    if len(now) == len(held):
+        return all(
+            type(a) in PLAIN_GLOBALS and type(b) in PLAIN_GLOBALS
+            for a, b in zip(now, held, strict=True)
+            if a is not b
+        )
+    return (
+        type(obj) is list
+        and len(now) > len(held)
+        and all(map(operator.is_, now, held))
+        and all(type(v) in PLAIN_GLOBALS or plain_record(v, type(v)) for v in now[len(held) :])
+    )
 
 
 class Held:
@@ -146,8 +167,10 @@ class Held:
         now = contents(obj)
         held = self.held
         if len(now) != len(held) or not all(map(operator.is_, now, held)):
-            return False
-        if version is not None:  # written back to what it held
+            if not (self.shared and _plain_change(obj, held, now)):
+                return False
+            self.held = now  # (a young history, a counter: taken as it is now)
+        if version is not None:  # written back to what it held, or changed by plain values
             self._cheap()
         return True
 
