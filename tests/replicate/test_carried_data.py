@@ -282,3 +282,31 @@ def test_holders_changed_by_plain_values_between_calls_need_no_refill() -> None:
         got, expected = wrapper(x), ref(x)
     assert _fills(wrapper) == fills + 1
     assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
+def test_a_history_that_starts_empty_is_compared_by_samples_once_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Taken as it grows (plain records), it must move to the large list's comparison once past
+    # BIG items: read whole on every call, it would cost more as the run goes on.
+    from dataparallel.replicate import _holders
+
+    model = Carrier(4)
+    history: list[Any] = []
+    model.register_forward_hook(lambda m, i, o: history.append({"rows": int(o.shape[0])}))
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    while len(history) <= _holders.BIG + 10:
+        wrapper(x)
+    read: list[Any] = []
+    real = _holders.contents
+
+    def counted(value: Any) -> list[Any]:
+        if value is history:
+            read.append(value)
+        return real(value)
+
+    monkeypatch.setattr(_holders, "contents", counted)
+    for _ in range(3):
+        wrapper(x)
+    assert read == []

@@ -169,8 +169,11 @@ class Held:
         if len(now) != len(held) or not all(map(operator.is_, now, held)):
             if not (self.shared and _plain_change(obj, held, now)):
                 return False
-            self.held = now  # (a young history, a counter: taken as it is now)
-        if version is not None:  # written back to what it held, or changed by plain values
+            # A young history, a counter: taken as it is now, and compared from now on by
+            # what is cheapest for it (a history past BIG items by its samples)
+            self.held = now
+            self._cheap()
+        elif version is not None:  # written back to what it held
             self._cheap()
         return True
 
