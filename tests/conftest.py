@@ -114,6 +114,7 @@ SLOW_CHAINS = {
         "tests/distributed/test_syncbn_ddp.py",
         "tests/distributed/test_gather_counts.py",
         "tests/app/test_checkpoint_damage.py",
+        "tests/wrapper/test_warm_fork.py",
     ),
     "slow: commands": (
         "tests/test_readme.py",

@@ -43,6 +43,7 @@ from dataparallel.devices import DeviceSpec, check_runnable, device_type, resolv
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._pool import _local, _run_on_pool, _side_stream
 from dataparallel.parallel_apply._rendezvous import SyncCall
+from dataparallel.parallel_apply._spans import settled
 from dataparallel.parallel_apply._task import (
     _autocast_state,
     _execute,
@@ -245,7 +246,7 @@ def apply_replicas(
             _run_on_pool(tasks, worker_slots, syncbn.abort)
 
     if timings is not None:
-        timings.extend(float("nan") if t.span is None else t.span.settled() for t in tasks)
+        timings.extend(settled(t.span) for t in tasks)
     _reraise(tasks, why)
     check_writes(modules)  # a trainable parameter the replicas share, written in forward
     return [t.result for t in tasks]

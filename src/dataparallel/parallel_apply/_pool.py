@@ -95,6 +95,17 @@ def _worker(device: torch.device, slot: int) -> _Worker:
         return worker
 
 
+def workers(devices: list[torch.device], slots: list[int]) -> list[queue.SimpleQueue[_Task]]:
+    """The queues of the workers of replicas 1.. on ``devices`` (``slots``: each one's slot on
+    its device), started where they are not yet."""
+    return [_worker(d, slot).tasks for d, slot in zip(devices[1:], slots[1:], strict=True)]
+
+
+def pool_pid() -> int:
+    """The process the pool's workers belong to (a forked child's after its first lookup)."""
+    return _pool_pid
+
+
 def _side_stream(device: torch.device, slot: int) -> Any:
     """The pool's CUDA stream for slot ``slot`` (> 0) of ``device``, made on first use."""
     key = (str(device), slot)
@@ -112,12 +123,14 @@ def _run_on_pool(
     slots: list[int],
     release: Callable[[BaseException], None] | None = None,
     between: Callable[[], None] | None = None,
+    queues: list[queue.SimpleQueue[_Task]] | None = None,
 ) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
 
     ``between`` runs on the caller's thread once replica 0 is done and before waiting for the
     others: work on replica 0's result there is hidden behind the others, which started later
-    (their workers had to wake up).
+    (their workers had to wake up). ``queues``: the workers' queues of tasks 1.., as
+    ``workers`` found them in this process (a caller that keeps its tasks keeps them too).
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
     only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
@@ -134,9 +147,14 @@ def _run_on_pool(
     """
     submitted = 1
     try:
-        for task, slot in zip(tasks[1:], slots[1:], strict=True):
-            _worker(task.device, slot).tasks.put(task)
-            submitted += 1
+        if queues is None:
+            for task, slot in zip(tasks[1:], slots[1:], strict=True):
+                _worker(task.device, slot).tasks.put(task)
+                submitted += 1
+        else:
+            for task, inbox in zip(tasks[1:], queues, strict=True):
+                inbox.put(task)
+                submitted += 1
         _execute_first(tasks[0])
         if between is not None:
             between()

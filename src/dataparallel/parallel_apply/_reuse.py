@@ -30,7 +30,8 @@ from torch import nn
 from dataparallel.devices import device_type
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
-from dataparallel.parallel_apply._pool import _local, _run_on_pool
+from dataparallel.parallel_apply._pool import _local, _run_on_pool, pool_pid, workers
+from dataparallel.parallel_apply._spans import settled
 from dataparallel.parallel_apply._task import _reraise, _Task
 from dataparallel.replicate import check_writes
 
@@ -66,6 +67,8 @@ class TaskSlots:
         "cpu",
         "devices",
         "on_first",
+        "pid",
+        "queues",
         "tasks",
         "timings",
         "worker_slots",
@@ -82,6 +85,9 @@ class TaskSlots:
             self.worker_slots.append(slots.get(device, 0))
             slots[device] = self.worker_slots[-1] + 1
         self.tasks: list[_Task] | None = None
+        # The workers' queues, as found in process ``pid`` (a forked child finds its own).
+        self.queues: list[Any] | None = None
+        self.pid = 0
         self.busy = False
         # Given replica 0's result (when it succeeded and the call asks, ``check``) while the
         # others may still run. Held weakly: its owner holds these slots, and a cycle would
@@ -94,7 +100,7 @@ class TaskSlots:
         """Replica 0's part of what follows the join, done while the others still run."""
         task = self.tasks[0]  # type: ignore[index]
         span = task.span
-        self.timings.append(float("nan") if span is None else span.settled())
+        self.timings.append(span if type(span) is float else settled(span))
         if self.check and task.error is None and self.on_first is not None:
             on_first = self.on_first()
             if on_first is not None:
@@ -143,9 +149,13 @@ def apply_kept(
     for task in tasks[1:]:
         task.replay = replay
         task.context = context.copy() if copy else None
+    queues = kept.queues
+    if queues is None or kept.pid != pool_pid():
+        queues = kept.queues = workers(kept.devices, kept.worker_slots)
+        kept.pid = pool_pid()
     kept.busy, kept.check, kept.timings = True, check_first, timings
     try:
-        _run_on_pool(tasks, kept.worker_slots, None, kept._between)
+        _run_on_pool(tasks, kept.worker_slots, None, kept._between, queues)
     except BaseException:
         kept.tasks = None  # interrupted: their locks are in an unknown state
         raise
@@ -157,7 +167,7 @@ def apply_kept(
             _reraise(tasks)
         for task in tasks[1:]:  # (replica 0's timing was taken meanwhile)
             span = task.span
-            timings.append(float("nan") if span is None else span.settled())
+            timings.append(span if type(span) is float else settled(span))
             if task.error is not None:
                 _reraise(tasks)
         check_writes(modules)

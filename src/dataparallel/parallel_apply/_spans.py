@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EventPool", "Span", "cuda_pool"]
+__all__ = ["EventPool", "Span", "cuda_pool", "settled"]
 
 
 class EventPool:
@@ -76,6 +76,14 @@ class EventPool:
             if span.value is None:  # not reclaimed meanwhile (which would have frozen it)
                 span.freeze()
             return span.value  # type: ignore[return-value]
+
+
+def settled(span: Span | float | None) -> float | Span:
+    """A replica's timing for the record: its seconds (a CPU replica's span is its seconds
+    already), a CUDA span read only when asked, NaN for a replica not timed."""
+    if span is None:
+        return float("nan")
+    return span if type(span) is float else span.settled()  # type: ignore[union-attr]
 
 
 class Span:

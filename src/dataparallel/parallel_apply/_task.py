@@ -27,6 +27,7 @@ import contextvars
 import dataclasses
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Mapping, Sequence
+from time import perf_counter
 from typing import Any, cast
 
 import torch
@@ -37,6 +38,8 @@ from dataparallel.parallel_apply._spans import Span, cuda_pool
 from dataparallel.parallel_apply._thread_state import Replay
 
 __all__ = ["describe_inputs"]
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 # -- context capture and replay ---------------------------------------------------------------
@@ -71,7 +74,8 @@ class _Task:
     stream: Any  # the caller's current stream on a CUDA device, else None
     side: Any  # a pool side stream for a repeated CUDA device, else None
     sync: bool  # time the replica (on CUDA: with pooled events, read later)
-    span: Span | None = None
+    # A CUDA replica's span; a CPU replica's seconds themselves (no object per replica).
+    span: Span | float | None = None
     # Set by apply_replicas for a task that goes to a worker: the caller's thread state to
     # enter there, and a copy of its contextvars (None when it has none).
     replay: Replay = ()
@@ -93,7 +97,7 @@ def _execute(task: _Task) -> None:
         # A CPU replica without autocast: only the grad mode to replay. Set as a function (no
         # context manager to build and exit): the worker's thread sets it for every task.
         try:
-            torch.set_grad_enabled(task.grad)
+            _set_grad_enabled(task.grad)  # (what torch.set_grad_enabled's constructor does)
             _run(task, None)
         except BaseException as exc:
             task.error = exc
@@ -125,14 +129,22 @@ def _span(device: torch.device, stream: Any) -> Span:
 
 
 def _run(task: _Task, stream: Any) -> None:
-    """The replica's forward, timed by a span when asked (``_span``'s choice, inlined: this
-    runs once per replica per call)."""
+    """The replica's forward, timed when asked: a CPU replica by the wall clock (its seconds
+    are its span), a CUDA one by a span of events (``_span``'s choice, inlined: this runs once
+    per replica per call)."""
+    if task.sync and stream is None:
+        start = perf_counter()
+        try:
+            task.result = task.module(*task.args, **task.kwargs)
+        finally:
+            task.span = perf_counter() - start
+        return
     if task.sync:
-        task.span = Span() if stream is None else Span(cuda_pool(task.device), stream)
+        task.span = Span(cuda_pool(task.device), stream)
     try:
         task.result = task.module(*task.args, **task.kwargs)
     finally:
-        if task.span is not None:
+        if isinstance(task.span, Span):
             task.span.stop()
         if task.side is not None:
             task.stream.wait_stream(task.side)

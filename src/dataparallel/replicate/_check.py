@@ -262,8 +262,10 @@ class Snapshot:
 
     __slots__ = (
         "_classes",
+        "_classes_rest",
         "_counted",
         "_dicts",
+        "_dicts_rest",
         "_keyed",
         "_lens",
         "_loose",
@@ -333,6 +335,8 @@ class Snapshot:
         self._objects = [s.ref() for s in states[1:]]
         self._classes = [s.cls for s in states]
         self._dicts = [s.d for s in states]
+        # (those of the modules past the root, apart: compared on every call, not sliced)
+        self._classes_rest, self._dicts_rest = self._classes[1:], self._dicts[1:]
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot.
@@ -365,10 +369,10 @@ class Snapshot:
             (root := self._root()) is not None
             and type(root) is self._classes[0]
             and root.__dict__ is self._dicts[0]
-            and list(map(type, self._objects)) == self._classes[1:]
-            and all(map(operator.is_, map(_DICT, self._objects), self._dicts[1:]))
+            and list(map(type, self._objects)) == self._classes_rest
+            and all(map(operator.is_, map(_DICT, self._objects), self._dicts_rest))
             and all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
-            and _ptrs(self._tensors) == self._ptrs
+            and (not self._tensors or _ptrs(self._tensors) == self._ptrs)
         )
 
     def changed(self) -> list[int]:

@@ -12,10 +12,17 @@ and still sees the writes that matter:
 - a large list (over :data:`BIG` items) by its length, its last item and its items at
   :data:`SAMPLES` fixed places (chosen again each time it grew by one spacing of them); one
   that only grew (``history.append(record)``) is searched in its new part only, and, when that
-  part leads to no module of the tree, taken as it is now without a refill;
+  part leads to no module of the tree and the replicas share the list (the search left it as
+  it is), taken as it is now without a refill (a list the replicas hold copies of, one that
+  holds a module of the tree, is refilled: their copies lack the new items);
 - a function by its own part (code, cells, defaults) item by item, and the globals it reads
-  by its module's dictionary's write version, in one read; each of them only when it moved;
-- anything else (small holders, objects) item by item, as before.
+  by its module's dictionary's write version, in one read; when that moved (a script's loop at
+  module level writes it on every step), by name, from the list of names kept with it; a
+  global that changed from one plain value to another (a step counter) is taken as it is now,
+  without a refill (nothing of the tree is rebound in its place);
+- anything else (small holders, objects) item by item, as before; one the replicas share that
+  changed by plain values alone (a counter in a stats dict, a young history's new records) is
+  taken as it is now, without a refill.
 
 What this does not see: an item replaced in the middle of a large list, away from the places
 compared (the guide says so).
@@ -28,12 +35,26 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from dataparallel.replicate._copy import Mapping, Pass, contents, function_own, plain_record
+import torch
 
-__all__ = ["BIG", "SAMPLES", "Held"]
+from dataparallel.replicate._copy import (
+    _ABSENT,
+    Mapping,
+    Pass,
+    contents,
+    function_own,
+    global_names,
+    plain_record,
+)
+
+__all__ = ["BIG", "PLAIN_GLOBALS", "SAMPLES", "Held"]
 
 BIG = 256  # a list longer than this is compared by length and samples
 SAMPLES = 32
+# A function's global whose value changes between two plain values of these types needs no
+# refill (``Held._plain_globals``). Not tensors: a parameter of the tree read as a global is
+# rebound to the replicas' own.
+PLAIN_GLOBALS = frozenset((bool, int, float, complex, str, bytes, type(None), torch.dtype))
 
 
 def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
@@ -56,18 +77,43 @@ def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
 _VERSION = _dict_version_reader()
 
 
+def _plain_change(obj: Any, held: list[Any], now: list[Any]) -> bool:
+    """Whether a holder the replicas share changed by plain values alone: the same length,
+    each changed item a plain value before and after (a counter in a stats dict), or a list
+    that only grew by plain values and plain records (a young history). Such a change leads
+    to no module: the replicas read the holder itself, as it is now."""
+    if len(now) == len(held):
+        return all(
+            type(a) in PLAIN_GLOBALS and type(b) in PLAIN_GLOBALS
+            for a, b in zip(now, held, strict=True)
+            if a is not b
+        )
+    return (
+        type(obj) is list
+        and len(now) > len(held)
+        and all(map(operator.is_, now, held))
+        and all(type(v) in PLAIN_GLOBALS or plain_record(v, type(v)) for v in now[len(held) :])
+    )
+
+
 class Held:
     """One watched holder: the object, what it held when read (identities), and the cheap
     state it is compared by first (a dictionary's version, a large list's samples)."""
 
-    __slots__ = ("at", "held", "obj", "own", "sample", "version")
+    __slots__ = ("at", "held", "names", "obj", "own", "sample", "sampled", "shared", "version")
 
-    def __init__(self, obj: Any, held: list[Any]) -> None:
+    def __init__(self, obj: Any, held: list[Any], shared: bool = False) -> None:
         self.obj = obj
         self.held = held
+        # Left shared by the search (it led nowhere): the replicas read this very object. A
+        # holder it copied (it leads to the tree) has a copy per replica, which a write to
+        # the original, of anything, leaves behind: only a refill brings it along.
+        self.shared = shared
         self.version: int | None = None
         self.sample: Callable[[Any], Any] | None = None
         self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
+        self.names: list[str] = []  # a function's globals, in ``contents``' order
+        self.sampled: tuple[Any, ...] = ()  # a large list's held items at the sampled places
         self.at = 0  # a large list's length when its places were chosen
         self._cheap()
 
@@ -80,10 +126,13 @@ class Held:
             # dictionary's version is (a global rebound, added or deleted moves it).
             self.version = _VERSION(obj.__globals__)
             self.own = len(function_own(obj))
+            self.names = sorted(global_names(obj.__code__)[0])
         elif isinstance(obj, list) and len(obj) > BIG:
             n = self.at = len(obj)
             places = sorted({*range(0, n, max(1, n // SAMPLES)), n - 1})
             self.sample = operator.itemgetter(*places)
+            # Side by side: the held copy's places lie apart in memory, one read each per call.
+            self.sampled = self.sample(self.held)
 
     def still(self, probe: Mapping) -> bool:
         """Whether the holder holds what it held, or only grew by items that lead to no module
@@ -95,17 +144,53 @@ class Held:
             if not own:
                 if _VERSION is not None and _VERSION(obj) == version:
                     return True
-            elif _VERSION is not None and _VERSION(obj.__globals__) == version:
+            elif _VERSION is not None:
                 now = function_own(obj)
-                return len(now) == own and all(map(operator.is_, now, self.held))
+                if len(now) != own or not all(map(operator.is_, now, self.held)):
+                    return False
+                g = obj.__globals__
+                moved = _VERSION(g)
+                if moved == version:
+                    return True
+                # Its module's dictionary written (a script's loop at module level writes it
+                # on every step): the globals it reads, by name (its code is the same).
+                names, rest = self.names, self.held[own:]
+                if len(names) != len(rest):
+                    return False
+                now = [g.get(n, _ABSENT) for n in names]
+                if not all(map(operator.is_, now, rest)) and not self._plain_globals(now):
+                    return False
+                self.version = moved
+                return True
         elif self.sample is not None:
             return self._list_still(obj, probe)
         now = contents(obj)
         held = self.held
         if len(now) != len(held) or not all(map(operator.is_, now, held)):
-            return False
-        if version is not None:  # written back to what it held
+            if not (self.shared and _plain_change(obj, held, now)):
+                return False
+            # A young history, a counter: taken as it is now, and compared from now on by
+            # what is cheapest for it (a history past BIG items by its samples)
+            self.held = now
             self._cheap()
+        elif version is not None:  # written back to what it held
+            self._cheap()
+        return True
+
+    def _plain_globals(self, now: list[Any]) -> bool:
+        """Whether every global of a function that changed (``now`` against the held ones,
+        by name) was a plain value before and is one now (a script's step counter, a learning
+        rate); then they are taken as they are now. Such a value leads to no module, before
+        or after, and is never rebound: a replica's function reads it from the module's
+        dictionary, live, as the function itself does (``_copy``'s ``_Globals``)."""
+        held, own = self.held, self.own
+        changed = [i for i, value in enumerate(now) if value is not held[own + i]]
+        if not all(
+            type(now[i]) in PLAIN_GLOBALS and type(held[own + i]) in PLAIN_GLOBALS for i in changed
+        ):
+            return False
+        for i in changed:
+            held[own + i] = now[i]
         return True
 
     def _list_still(self, obj: list[Any], probe: Mapping) -> bool:
@@ -116,10 +201,12 @@ class Held:
             return False
         # The sampled places, and the last item (the places are chosen again only once the
         # list grew by one spacing of them).
-        if obj[n - 1] is not held[n - 1] or not all(map(operator.is_, sample(obj), sample(held))):
+        if obj[n - 1] is not held[n - 1] or not all(map(operator.is_, sample(obj), self.sampled)):
             return False
         if len(obj) == n:
             return True
+        if not self.shared:  # each replica's own copy lacks the new items
+            return False
         # Grown: the old part the same where compared, the new part searched alone.
         new = obj[n:]
         search: Pass | None = None  # made for the first item that is not a plain record

@@ -151,9 +151,12 @@ class Rebinding:
                 self.keys.pop(i, None)
             # Every holder the search read, copied or left shared: a write to one since is a
             # change (a list that led nowhere, later given a module of the tree).
-            watched = search.copied + search.walked
+            watched = [
+                *(Held(obj, held) for obj, held in search.copied),
+                *(Held(obj, held, shared=True) for obj, held in search.walked),
+            ]
             if watched:
-                self.watched[i] = [Held(obj, held) for obj, held in watched]
+                self.watched[i] = watched
             else:
                 self.watched.pop(i, None)
             found = cut or _unbound(d, probe, tree, _skipped(type(modules[i])))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, batched_part, concat_batched, mark_inputs
+from dataparallel.gather import Origins, batched_part, concat_batched, mark_inputs, marks_plain
 from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
@@ -176,7 +176,8 @@ def warm_call(
     kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
     state = w.__dict__
     args, kws = step.cut(plan, inputs, kwargs)
-    args, kws = mark_inputs(args, kws)  # a loss's terms are observed (gather._loss)
+    if marks_plain(inputs, kwargs):  # a loss's terms are observed (gather._loss)
+        args, kws = mark_inputs(args, kws)
     devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
     replicas = None if sets is None else sets.kept(module, step.resolved)

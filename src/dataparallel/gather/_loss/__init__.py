@@ -9,7 +9,7 @@ for those marks and for ``DataParallelCriterion``.
 
 from __future__ import annotations
 
-from dataparallel.gather._loss._inputs import mark_inputs, unmark_inputs
+from dataparallel.gather._loss._inputs import mark_inputs, marks_plain, unmark_inputs
 from dataparallel.gather._loss._marks import COUNT_KEYWORD, Record, is_marked, unmark
 from dataparallel.gather._loss._reductions import (
     ScalarWeights,
@@ -37,6 +37,7 @@ __all__ = [
     "is_exact_mean",
     "is_marked",
     "mark_inputs",
+    "marks_plain",
     "mean_of",
     "refuse_escaped",
     "summing_note",

@@ -16,7 +16,7 @@ import torch
 from dataparallel.gather._loss._marks import Record, Target, is_counted, is_marked, unmark
 from dataparallel.gather._outputs import retype
 
-__all__ = ["leaves", "mark_inputs", "passes_integers", "unmark_inputs"]
+__all__ = ["leaves", "mark_inputs", "marks_plain", "passes_integers", "unmark_inputs"]
 
 
 def _mark(value: Any) -> Any:
@@ -36,10 +36,17 @@ def leaves(chunk_args: Any, chunk_kwargs: Any) -> Any:
 
 def passes_integers(chunk_args: Any, chunk_kwargs: Any) -> bool:
     """Whether a call passes an integer tensor (labels, ids), which makes it mark its data."""
-    return any(
-        type(v) is torch.Tensor and v.ndim > 0 and v.dtype not in _NO_TARGET
-        for v in leaves(chunk_args, chunk_kwargs)
-    )
+    return any(map(_integers, leaves(chunk_args, chunk_kwargs)))
+
+
+def marks_plain(inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """``mark_inputs``' decision for a call of plain tensors only (the warm call's), read from
+    the call's own tensors: each chunk's are their parts, of the same dtype and dimensions."""
+    return any(map(_integers, inputs)) or (bool(kwargs) and any(map(_integers, kwargs.values())))
+
+
+def _integers(value: Any) -> bool:
+    return type(value) is torch.Tensor and value.ndim > 0 and value.dtype not in _NO_TARGET
 
 
 _NO_TARGET = frozenset(  # tensors that alone do not make a call mark its chunks
@@ -83,6 +90,8 @@ def mark_inputs(
 
 def unmark_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A wrapper's call inside another's replica: its arguments plain (it marks its own)."""
+    if not kwargs and len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
+        return inputs, kwargs  # the most common call: one plain tensor, which is not marked
     if any(map(is_marked, inputs)) or any(map(is_marked, kwargs.values())):
         return tuple(map(_strip, inputs)), {k: _strip(v) for k, v in kwargs.items()}
     return inputs, kwargs
