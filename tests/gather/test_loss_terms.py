@@ -375,6 +375,47 @@ def test_explain_says_how_scalar_outputs_are_gathered() -> None:
     assert not plain_call.explain(torch.randn(4, 3, 2, 2), torch.rand(4, 2, 2)).notes
 
 
+class Reported(nn.Module):
+    """A loss with a penalty, an accuracy and a count of correct predictions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        logits = self.head(x)
+        right = logits.argmax(-1) == labels
+        loss = F.cross_entropy(logits, labels) + 0.1 * self.head.weight.square().sum()
+        return {"loss": loss, "acc": right.float().mean(), "right": right.sum(), "x": logits}
+
+
+def test_explain_says_per_scalar_output_how_the_calls_gathered_it() -> None:
+    """Before a call nothing is known of forward's outputs; after one, explain names each
+    scalar output and its rule (issue 59), and the last call's word for a path stands."""
+    x, labels = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    wrapped = dp.DataParallel(Reported(), ["cpu", "cpu"])
+    assert not any("as gathered so far" in n for n in wrapped.explain(x, labels).notes)
+    wrapped(x, labels)
+    said = [n for n in wrapped.explain(x, labels).notes if "as gathered so far" in n]
+    assert len(said) == 1, said
+    assert "output['loss']: re-formed over the whole batch, term by term: a mean " in said[0]
+    assert "+ a constant (once)" in said[0]
+    assert "output['acc']: averaged, each chunk weighed by its size" in said[0]
+    assert "output['right']: summed (a count)" in said[0]
+    assert "output['x']" not in said[0]  # a batched output is no scalar
+    with pytest.warns(UserWarning, match="cannot be re-formed"):
+        told = dp.DataParallel(RouterLoss(), ["cpu", "cpu"])
+        told(x, labels)
+    note = [n for n in told.explain(x, labels).notes if "as gathered so far" in n]
+    assert "output['loss']: the chunk-size mean, told at the call: a product" in note[0]
+    weighed = dp.DataParallel(Reported(), ["cpu", "cpu"], scalar_weights=lambda a, kw: 2)
+    weighed(x, labels)
+    note = [n for n in weighed.explain(x, labels).notes if "as gathered so far" in n]
+    assert "output['loss']: averaged, each chunk weighed by scalar_weights=" in note[0]
+    assert not any("as gathered so far" in n for n in weighed.explain(x[:1], labels[:1]).notes)
+
+
 class HandTokenMean(nn.Module):
     """A token mean written by hand: picked log-probabilities summed over the label tokens,
     over their count (no torch loss function builds it)."""

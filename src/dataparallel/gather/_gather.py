@@ -70,6 +70,7 @@ class _Context:
         "origins",
         "roles",
         "rules",
+        "said",
         "scalars",
         "seen",
         "sizes",
@@ -121,6 +122,9 @@ class _Context:
         # (path, rule) of 0-dim outputs of 1-sample chunks: a loss or a squeezed per-sample
         # output, which no rule can tell apart (one warning per call, after the walk)
         self.squeezed: list[tuple[str, str]] = []
+        # The wrapper's record of how each scalar output was gathered, by path (``explain``
+        # says it); None: not kept
+        self.said: dict[Any, str] | None = None
 
     def state_shapes(self) -> frozenset[tuple[int, int]]:
         """The module's RNN hidden-state shapes, read once per gather, on first need."""
@@ -225,6 +229,7 @@ def gather_outputs(
     warned: set[tuple[str, ...]] | None = None,
     count: Any = None,
     weigh: Callable[[], Sequence[float] | None] | None = None,
+    said: dict[Any, str] | None = None,
 ) -> Any:
     """The pipeline's gather: ``gather`` for arguments already checked (``DataParallel``
     checks them once, at construction), with the cheapest rule that applies chosen here, not by
@@ -240,7 +245,8 @@ def gather_outputs(
     ``count`` (a ``dataparallel.gather._loss.Record``) is the call's when each replica
     received a marked ``num_items_in_batch``: outputs computed from it are summed (``_loss``).
     ``weigh`` (no ``scalar_weights`` given) returns each replica's weight in a ``"mean"``, read
-    only when a mean needs it: the wrapper's ``scalar_weights``.
+    only when a mean needs it: the wrapper's ``scalar_weights``. ``said`` (the wrapper's) gets,
+    by output path, how each floating scalar was gathered, which ``explain`` then says.
     """
     try:
         if len(outputs) == 1 and scalars != "stack" and not output_rules:
@@ -269,7 +275,7 @@ def gather_outputs(
         )
         ctx.module, ctx.rules = module, dict(output_rules) if output_rules else None
         ctx.origins, ctx.warned = origins, warned
-        ctx.count = count
+        ctx.count, ctx.said = count, said
         out = walk(outputs, None, ctx)
         if ctx.squeezed:
             _warn_squeezed(ctx)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataparallel.gather._loss import mean_of, refuse_escaped
+from dataparallel.gather._loss import mean_of, refuse_escaped, say
 from dataparallel.gather._output_rules import warn_even_count
 from dataparallel.gather._outputs import all_equal, fmt, move, sum_all
 
@@ -38,6 +38,7 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
     if ctx.count is not None:
         refuse_escaped(values, path, ctx)  # (_loss._rule's rule 5; mean_of is its 6)
     if ctx.scalars == "stack":
+        say(ctx, path, "stacked, one value per replica (scalars='stack')")
         return torch.stack([torch.as_tensor(v, device=target) for v in values])
     sizes = ctx.sizes
     if sizes is not None and len(values) > 1 and all(n == 1 for n in sizes):
@@ -49,12 +50,14 @@ def gather_scalars(values: list[Any], path: _Path, ctx: _Ctx) -> Any:
         if (counts or ctx.scalars == "sum") and _one_value(values, ctx):
             return tensors[0]  # a buffer or an input passed through: one value, not a count
         if ctx.scalars == "sum" or counts:
+            say(ctx, path, "summed (a count)" if counts else "summed (scalars='sum')")
             # An integer tensor is computed from the chunk ((x > 0).sum(), a count of correct
             # predictions): a count, summed even where the replicas agree, as one device's.
             return sum_all(tensors)
         return mean_of(tensors, path, ctx)
     plain = [v[()] if isinstance(v, np.ndarray) else v for v in values]
     if ctx.scalars == "sum":
+        say(ctx, path, "summed (scalars='sum')")
         return sum_all(plain)
     if all(isinstance(v, numbers.Integral) for v in plain):
         return _gather_ints(values, plain, path, ctx)

@@ -440,18 +440,18 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def explain(self, *inputs: Any, **kwargs: Any) -> Plan:
         """The plan this wrapper would follow for a call ``w(*inputs, **kwargs)``; runs nothing.
         Its notes say how the call's outputs will be gathered where that is not the default
-        (``num_items_in_batch``), and which BatchNorm layers of the module are synchronised
-        over the replicas, and, under ``check=``, that the call is compared with one device's.
-        Only such a call (and the step methods) is split: a method of the
-        module called through the wrapper (``w.generate(...)``, read-through) runs the module
-        itself, on its own device, as ``w.module.generate(...)`` does."""
+        (``num_items_in_batch``), how the calls so far gathered each scalar output (a loss
+        re-formed term by term, a mean weighed by chunk size, ...), which BatchNorm layers of
+        the module are synchronised over the replicas, and, under ``check=``, that the call is
+        compared with one device's. Only such a call (and the step methods) is split: a method
+        of the module called through the wrapper (``w.generate(...)``, read-through) runs the
+        module itself, on its own device, as ``w.module.generate(...)`` does."""
         module = cast(nn.Module, self._modules["module"])
         weighted = self.scalar_weights is not None  # (they replace the terms' re-forming)
-        devices, dim = self.device_ids, self.dim
-        check = self.__dict__.get("check_mode")
-        return explain_call(
-            module, inputs, kwargs, devices, dim, self.options, weighted=weighted, check=check
-        )
+        state = self.__dict__  # the check mode, and how the calls so far gathered each scalar
+        check, said = state.get("check_mode"), state.get("_said")
+        args = (module, inputs, kwargs, self.device_ids, self.dim, self.options)
+        return explain_call(*args, weighted=weighted, check=check, said=said)
 
     # -- checks -----------------------------------------------------------------------------------
 

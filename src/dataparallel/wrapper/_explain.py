@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import summing_note, terms_note
+from dataparallel.gather import said_note, summing_note, terms_note
 from dataparallel.parallel_apply import batchnorm_note
 from dataparallel.plan import Plan, build_plan
 from dataparallel.wrapper._partial_sums import find_count
@@ -32,11 +32,13 @@ def explain_call(
     *,
     weighted: bool = False,
     check: str | None = None,
+    said: dict[Any, str] | None = None,
 ) -> Plan:
     """The plan of a call ``w(*inputs, **kwargs)`` of a wrapper of ``module`` on ``devices``,
     with the count's, the loss terms' and BatchNorm's notes; runs nothing. ``weighted``: the
     wrapper has ``scalar_weights``, which replace the terms' re-forming; ``check``: its check
-    mode (``_one_device``)."""
+    mode (``_one_device``); ``said``: how the wrapper's calls so far gathered each scalar output
+    (``gather._loss``), said per output."""
     plan = build_plan(inputs, kwargs, devices, dim, **options)
     chunks = sum(len(wave) for wave in plan.slices)
     slot = find_count(module, inputs, kwargs)
@@ -46,6 +48,8 @@ def explain_call(
     terms = None if weighted or chunks < 2 else terms_note(inputs, kwargs)
     if terms:
         plan.notes.append(terms)
+    if said and chunks > 1:
+        plan.notes.append(said_note(said))
     note = batchnorm_note(module, plan.waves)
     if note:
         plan.notes.append(note)

@@ -252,6 +252,7 @@ def gather_all(
         w.__dict__.get("_warned"),  # warnings shown once per wrapper
         count,
         weigh,
+        w.__dict__.setdefault("_said", {}),  # how each scalar was gathered, for explain
     )
 
 

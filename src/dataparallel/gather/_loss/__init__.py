@@ -22,6 +22,8 @@ from dataparallel.gather._loss._rule import (
     gather_marked,
     mean_of,
     refuse_escaped,
+    said_note,
+    say,
     summing_note,
     terms_note,
 )
@@ -40,6 +42,8 @@ __all__ = [
     "marks_plain",
     "mean_of",
     "refuse_escaped",
+    "said_note",
+    "say",
     "summing_note",
     "terms_note",
     "unmark",

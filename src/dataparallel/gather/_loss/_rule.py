@@ -47,7 +47,15 @@ from dataparallel.gather._loss._marks import (
 )
 from dataparallel.gather._outputs import all_equal, arrays_equal, fmt, sum_all
 
-__all__ = ["gather_marked", "mean_of", "refuse_escaped", "summing_note", "terms_note"]
+__all__ = [
+    "gather_marked",
+    "mean_of",
+    "refuse_escaped",
+    "said_note",
+    "say",
+    "summing_note",
+    "terms_note",
+]
 
 
 def gather_marked(values: list[Any], path: Any, ctx: Any, walk: Callable[[list[Any]], Any]) -> Any:
@@ -85,7 +93,11 @@ def _gather_counted(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
         plain = [torch.as_tensor(v, device=ctx.target) for v in plain]
     grad = any(getattr(v, "requires_grad", False) for v in plain)
     agreed = arrays_equal(plain) if tensors else all_equal(plain)
-    return plain[0] if not part and not grad and agreed else sum_all(plain)
+    if not part and not grad and agreed:
+        say(ctx, path, f"kept once: computed from {COUNT_KEYWORD} alone, equal on every replica")
+        return plain[0]
+    say(ctx, path, f"summed: a part of the one-device value, computed from {COUNT_KEYWORD}")
+    return sum_all(plain)
 
 
 def _gather_terms(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
@@ -99,8 +111,12 @@ def _gather_terms(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
     if untold is not None:
         kept = "the whole loss is the chunk-size mean of the chunks' values"
         _tell(path, ctx, untold, kept, values)
-        return walk([unmark(v) for v in values])
+        out = walk([unmark(v) for v in values])
+        say(ctx, path, f"the chunk-size mean, told at the call: {untold}")
+        return out
     parts = [parts_of(v) for v in values]
+    said = " + ".join(_KINDS[p[0]] for p in parts[0])
+    say(ctx, path, f"re-formed over the whole batch, term by term: {said}")
     total = sum_all([_part([p[k] for p in parts], path, ctx) for k in range(len(parts[0]))])
     if not isinstance(total, torch.Tensor):
         total = torch.as_tensor(total, device=ctx.target)
@@ -111,6 +127,21 @@ def _gather_terms(values: list[Any], path: Any, ctx: Any, walk: Any) -> Any:
         # when the caller changes it in place (Trainer's ``loss *= loss_scale``).
         total = total.reshape(first.shape).clone()
     return total if first.requires_grad else total.detach()
+
+
+_KINDS = {
+    "mean": "a mean (its sums over the sum of its denominators)",
+    "sum": "a sum (summed)",
+    "ratio": "a sum over a Python number",
+    "const": "a constant (once)",
+}
+
+
+def say(ctx: Any, path: Any, how: str) -> None:
+    """How the scalar at ``path`` was gathered, kept for ``explain`` where the wrapper keeps
+    it (``ctx.said``, by path: the last call's word stands)."""
+    if ctx.said is not None:
+        ctx.said[path] = how
 
 
 def _part(parts: list[Any], path: Any, ctx: Any) -> Any:
@@ -203,6 +234,10 @@ def mean_of(values: list[Any], path: Any, ctx: Any) -> Any:
     cannot overflow, and a replica of weight 0 adds nothing, not 0 * NaN (a chunk whose loss
     has no element); numbers by counts."""
     counts = ctx.counts
+    if ctx.said is not None:
+        alike = ctx.sizes is None and ctx.weigh is None and all(c == 1 for c in counts)
+        weighed = ctx.weigh is not None or counts is not ctx.sizes
+        say(ctx, path, _ALIKE if alike else _WEIGHED if weighed else _MEAN)
     if ctx.weigh is not None:
         if ctx.weighed is None:
             found = ctx.weigh()
@@ -223,7 +258,18 @@ def mean_of(values: list[Any], path: Any, ctx: Any) -> Any:
     return first if arrays_equal(values) else mean
 
 
+_MEAN = "averaged, each chunk weighed by its size (exact for a mean over samples)"
+_WEIGHED = "averaged, each chunk weighed by scalar_weights="
+_ALIKE = "averaged, each chunk alike (the chunk sizes are not known)"
+
 # -- what explain says ----------------------------------------------------------------------
+
+
+def said_note(said: dict[Any, str]) -> str:
+    """What ``explain`` says about the scalar outputs of the calls so far: how each was
+    gathered, by path, at the last call that returned it."""
+    lines = "; ".join(f"{fmt(path)}: {how}" for path, how in said.items())
+    return f"scalar outputs, as gathered so far: {lines}"
 
 
 def terms_note(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
