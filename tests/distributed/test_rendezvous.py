@@ -198,10 +198,12 @@ _WAITING_RANK = """
 import os, sys, time
 import torch, torch.distributed as dist
 from dataparallel.distributed import destroy_distributed, init_distributed
+began = time.monotonic()
 try:
     init_distributed(backend="gloo", timeout=20)
 except Exception as exc:
     print(type(exc).__name__, "|", str(exc).replace("\\n", " "), flush=True)
+    print("took", time.monotonic() - began, flush=True)
     sys.exit(0)
 print("joined", flush=True)
 while not os.path.exists(sys.argv[1]):
@@ -231,10 +233,8 @@ def test_a_second_job_on_a_running_jobs_port_never_reaches_into_it(tmp_path: Pat
     try:
         for run in first:
             assert run.stdout is not None and run.stdout.readline().strip() == "joined"
-        began = time.monotonic()
         second = [start(rank) for rank in (0, 1)]
-        lines = [run.communicate(timeout=60)[0].strip() for run in second]
-        elapsed = time.monotonic() - began
+        outs = [run.communicate(timeout=60)[0].strip().splitlines() for run in second]
         go.write_text("")
         results = [run.communicate(timeout=60)[0].strip() for run in first]
     finally:
@@ -242,7 +242,11 @@ def test_a_second_job_on_a_running_jobs_port_never_reaches_into_it(tmp_path: Pat
             if run.poll() is None:
                 run.kill()
                 run.wait()
-    assert elapsed < 15, lines  # well within B's own 20 s limit
+    lines = [out[0] if out else "" for out in outs]
+    # Timed inside each rank, from before its rendezvous: a loaded machine (CI's five test
+    # workers) can take seconds to start Python and import torch, which is not what is asked.
+    took = [float(out[-1].split()[-1]) if len(out) > 1 else float("inf") for out in outs]
+    assert max(took) < 15, (took, lines)  # well within B's own 20 s limit
     assert lines[0].startswith(
         f"RuntimeError | environment variable MASTER_PORT: rank 0 cannot listen on 127.0.0.1:"
         f"{port}: expected a free port, found it in use by another program"
