@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,10 @@ import os, signal, sys, time
 import torch, torch.distributed as dist
 from dataparallel.distributed import ddp_session, gather_all
 how, what, slow = sys.argv[1], sys.argv[2], int(sys.argv[3])
+began = float("nan")
 try:
     with ddp_session(torch.nn.Linear(2, 1), backend="gloo", timeout=3) as (ddp, info):
+        began = time.monotonic()  # (the rendezvous waits for the other rank's torch import)
         print("pid", os.getpid(), flush=True)
         if info.rank == slow:
             time.sleep(1.0)  # a few heartbeats first
@@ -52,6 +53,7 @@ try:
 except Exception as exc:
     kind = "TimeoutError" if isinstance(exc, TimeoutError) else type(exc).__name__
     print(kind, "|", str(exc), flush=True)
+    print("took", time.monotonic() - began, flush=True)
 """
 
 
@@ -66,8 +68,10 @@ def _env(rank: int, port: int) -> dict[str, str]:
 
 
 def _run(how: str, what: str, slow: int = 1) -> str:
-    """The last line of the rank that is not ``slow``; every process is gone when it
-    returns."""
+    """The line the rank that is not ``slow`` ended with; every process is gone when it
+    returns. The time to that line is the rank's own, from its session's start: starting Python
+    and importing torch (which the rendezvous waits for), or ending the process, on a loaded
+    machine (CI's five workers: 30.7 s in all once) is not what is asked."""
     port = free_port()
     runs = [
         subprocess.Popen(
@@ -80,9 +84,12 @@ def _run(how: str, what: str, slow: int = 1) -> str:
         for rank in (0, 1)
     ]
     try:
-        began = time.monotonic()
-        line = runs[1 - slow].communicate(timeout=60)[0].strip().splitlines()[-1]
-        assert time.monotonic() - began < 30, line  # the 3 s limit, and a 2 s look
+        lines = runs[1 - slow].communicate(timeout=60)[0].strip().splitlines() or [""]
+        took = float(lines[-1].split()[-1]) if lines[-1].startswith("took ") else float("inf")
+        line = lines[-2] if len(lines) > 1 else lines[-1]
+        # 1 s of heartbeats, the 3 s limit, the look (at most 4 s to a stopped store) and the
+        # heartbeat's stop (at most 5 s): about 11 s on a quiet machine
+        assert took < 30, lines
     finally:
         for run in runs:
             if run.poll() is None:
