@@ -416,6 +416,17 @@ def test_explain_says_per_scalar_output_how_the_calls_gathered_it() -> None:
     assert not any("as gathered so far" in n for n in weighed.explain(x[:1], labels[:1]).notes)
 
 
+def test_a_wrapper_from_before_the_record_explains_after_its_next_call() -> None:
+    """A wrapper unpickled from a version without the per-output record (no ``_said``) gets
+    one at its next gathered call, and explain then names the outputs."""
+    x, labels = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    wrapped = dp.DataParallel(Reported(), ["cpu", "cpu"])
+    del wrapped.__dict__["_said"]
+    wrapped(x, labels)
+    said = [n for n in wrapped.explain(x, labels).notes if "as gathered so far" in n]
+    assert len(said) == 1 and "output['right']: summed (a count)" in said[0], said
+
+
 class HandTokenMean(nn.Module):
     """A token mean written by hand: picked log-probabilities summed over the label tokens,
     over their count (no torch loss function builds it)."""

@@ -217,6 +217,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         self.check_mode = check_option(check)
         self.check_every = 0
         self._warned: set[tuple[str, ...]] = set()
+        self._said: dict[Any, str] = {}  # how each scalar output was gathered (explain)
         self._find_overrides()  # from here on, assignments are checked (``__setattr__``)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:

@@ -252,8 +252,17 @@ def gather_all(
         w.__dict__.get("_warned"),  # warnings shown once per wrapper
         count,
         weigh,
-        w.__dict__.setdefault("_said", {}),  # how each scalar was gathered, for explain
+        said_of(w.__dict__),  # how each scalar was gathered, for explain
     )
+
+
+def said_of(state: dict[str, Any]) -> dict[Any, str]:
+    """The wrapper's record of how each scalar output was gathered (made at construction; a
+    wrapper unpickled from an older version gets one here, once)."""
+    said: dict[Any, str] | None = state.get("_said")
+    if said is None:
+        said = state["_said"] = {}
+    return said
 
 
 def warn_unbatched(w: Wrapper, plan: Plan, devices: int, inputs: Any, kwargs: Any) -> None:
