@@ -45,24 +45,15 @@ _UNSET = object()
 class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
-    __slots__ = (
-        "__weakref__",  # the kept tasks hold ``check_first`` weakly (no cycle)
-        "cut",
-        "devices",
-        "dim",
-        "first",
-        "resolved",
-        "sizes",
-        "target",
-        "tasks",
-    )
+    __slots__ = ("cut", "devices", "dim", "first", "resolved", "size0", "sizes", "target", "tasks")
 
     def __init__(self, cut: WaveCut) -> None:
         self.cut = cut
         self.devices: list[torch.device] = cut.devices
         self.sizes: list[int] = cut.sizes
+        self.size0 = cut.sizes[0]
         self.resolved = tuple(cut.devices)  # the replica sets' key for these devices
-        self.tasks = TaskSlots(cut.devices, self.check_first)
+        self.tasks = TaskSlots(cut.devices)
         # This call's gather (dim, target), and how replica 0's output joins it: set by
         # ``check_first`` while the other replicas run, ``_UNSET`` when it did not run.
         self.dim = 0
@@ -70,8 +61,9 @@ class WarmStep:
         self.first: Any = _UNSET
 
     def check_first(self, result: Any) -> None:
-        """Replica 0's part of the gather, done while the other replicas still run."""
-        self.first = batched_part(result, self.sizes[0], self.dim, self.target)
+        """Replica 0's part of the gather, done while the other replicas still run (given to
+        ``apply_kept`` per call: the kept tasks do not hold this step)."""
+        self.first = batched_part(result, self.size0, self.dim, self.target)
 
     def run(
         self,
@@ -90,7 +82,9 @@ class WarmStep:
         self.first = _UNSET  # (a call that failed after replica 0's check left its verdict)
         if concat:
             self.dim, self.target = w.dim, w.output_device
-        outputs = apply_kept(self.tasks, replicas, args, kws, timers, concat)
+        outputs = apply_kept(
+            self.tasks, replicas, args, kws, timers, self.check_first if concat else None
+        )
         return self.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
 
     def finish(
