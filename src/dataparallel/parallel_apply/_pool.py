@@ -122,15 +122,12 @@ def _run_on_pool(
     tasks: list[_Task],
     slots: list[int],
     release: Callable[[BaseException], None] | None = None,
-    between: Callable[[Any], None] | None = None,
     queues: list[queue.SimpleQueue[_Task]] | None = None,
 ) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
 
-    ``between`` is given replica 0's result, when it succeeded, on the caller's thread before
-    waiting for the others: work on it there is hidden behind the others, which started later
-    (their workers had to wake up). ``queues``: the workers' queues of tasks 1.., as
-    ``workers`` found them in this process (a caller that keeps its tasks keeps them too).
+    ``queues``: the workers' queues of tasks 1.., as ``workers`` found them in this process (a
+    caller that keeps its tasks keeps them too).
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
     only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
@@ -155,10 +152,7 @@ def _run_on_pool(
             for task, inbox in zip(tasks[1:], queues, strict=True):
                 inbox.put(task)
                 submitted += 1
-        first = tasks[0]
-        _execute_first(first)
-        if between is not None and first.error is None:
-            between(first.result)
+        _execute_first(tasks[0])
         for task in tasks[1:]:
             task.done.acquire()
     except BaseException as exc:

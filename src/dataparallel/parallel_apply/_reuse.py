@@ -20,7 +20,7 @@ drops the kept tasks (their locks are in an unknown state), and the next call ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -89,13 +89,11 @@ def apply_kept(
     inputs: Sequence[tuple[Any, ...]],
     kwargs_tup: Sequence[Mapping[str, Any]],
     timings: list[Any],
-    between: Callable[[Any], None] | None = None,
 ) -> list[Any]:
     """``apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)`` for replicas that
     are not marked serial and have no SyncBatchNorm rendezvous, on ``kept``'s tasks when the
     module docstring's conditions hold. ``inputs``: one tuple of positional arguments per
-    replica. ``between``: given replica 0's result, when it succeeded, while the other replicas
-    may still run (on the kept tasks only; passed per call, so nothing holds it after)."""
+    replica."""
     if (
         not kept.ready
         or _local.__dict__.get("in_worker", False)
@@ -109,8 +107,7 @@ def apply_kept(
         return apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)
     grad = _grad_enabled()
     replay = _INFERENCE if _inference() else ()
-    context = _copy_context()
-    copy = len(context) > 0  # one copy per task: a context is entered by one thread at once
+    context = _copy_context()  # (true when it holds a variable: copied for every task then)
     tasks = kept.tasks
     if tasks is None:
         tasks = kept.tasks = [
@@ -126,7 +123,7 @@ def apply_kept(
         task.grad = grad
         task.replay = replay
         task.finished = False  # (``cancelled`` is never set on a kept task: see below)
-        if copy:
+        if context:  # one copy per task: a context is entered by one thread at once
             task.context = context.copy()
     queues = kept.queues
     if kept.pid != _pool._pool_pid:
@@ -134,7 +131,7 @@ def apply_kept(
         kept.pid = _pool._pool_pid
     kept.ready = False
     try:
-        _run_on_pool(tasks, kept.worker_slots, None, between, queues)
+        _run_on_pool(tasks, kept.worker_slots, None, queues)
     except BaseException:
         kept.tasks = None  # interrupted (tasks cancelled): their locks are in an unknown state
         raise
@@ -151,6 +148,6 @@ def apply_kept(
             task.args = _NO_ARGS
             task.kwargs = _NO_KWARGS
             task.result = None
-        if copy:
+        if context:
             for task in tasks:
                 task.context = None
