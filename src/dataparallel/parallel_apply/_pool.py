@@ -33,7 +33,15 @@ __all__ = ["THREAD_PREFIX"]
 
 THREAD_PREFIX = "dataparallel-"
 
-_local = threading.local()  # .in_worker: set in pool threads (nested calls run inline)
+
+class _Local(threading.local):
+    """A thread's pool state: ``in_worker`` is set in pool threads (nested calls run inline);
+    a class default, so the check on every call is one attribute read."""
+
+    in_worker = False
+
+
+_local = _Local()
 _pool_lock = threading.Lock()
 # keyed by (device, slot): "cpu" and "cpu:1" are two devices, as their names are
 _workers: dict[tuple[torch.device, int], _Worker] = {}

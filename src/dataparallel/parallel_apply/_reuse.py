@@ -96,7 +96,7 @@ def apply_kept(
     replica."""
     if (
         not kept.ready
-        or _local.__dict__.get("in_worker", False)
+        or _local.in_worker
         or _interpreter() is not None
         or _dispatch_modes()
         or _function_modes()
