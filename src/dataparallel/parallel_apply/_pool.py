@@ -109,11 +109,6 @@ def workers(devices: list[torch.device], slots: list[int]) -> list[queue.SimpleQ
     return [_worker(d, slot).tasks for d, slot in zip(devices[1:], slots[1:], strict=True)]
 
 
-def pool_pid() -> int:
-    """The process the pool's workers belong to (a forked child's after its first lookup)."""
-    return _pool_pid
-
-
 def _side_stream(device: torch.device, slot: int) -> Any:
     """The pool's CUDA stream for slot ``slot`` (> 0) of ``device``, made on first use."""
     key = (str(device), slot)

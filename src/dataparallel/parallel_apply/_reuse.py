@@ -114,8 +114,8 @@ def apply_kept(
             _Task(m, a, k, d, grad, [], None, None, True)
             for m, a, k, d in zip(modules, inputs, kwargs_tup, kept.devices, strict=True)
         ]
-    # One pass refills every task (replica 0's runs on this thread: its grad mode, replay and
-    # context are this thread's own, and are not read).
+    # One pass refills every task (replica 0's runs on this thread, which reads none of its
+    # grad mode, replay and context: they are set only to keep to one pass).
     for task, module, args, kwargs in zip(tasks, modules, inputs, kwargs_tup, strict=True):
         task.module = module
         task.args = args
@@ -126,7 +126,7 @@ def apply_kept(
         if context:  # one copy per task: a context is entered by one thread at once
             task.context = context.copy()
     queues = kept.queues
-    if kept.pid != _pool._pool_pid:
+    if kept.pid != _pool._pool_pid:  # (read from the module: a fork rebinds it)
         queues = kept.queues = workers(kept.devices, kept.worker_slots)
         kept.pid = _pool._pool_pid
     kept.ready = False
