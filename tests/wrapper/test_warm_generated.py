@@ -14,7 +14,7 @@ is exactly the number of calls that repeat an earlier signature with two or more
 the generator cannot silently exercise only the general path.
 
 Two cases found by this module are kept by name: a stale replica-0 output check left by a warm
-call whose replica raised (``WarmStep.first``, reset on every call since), and the warning a
+call whose replica raised (the warm step keeps no per-call state since), and the warning a
 nested wrapper's own runtime state caused in the outer wrapper, which then ran its replicas one
 after another (``DataParallel._not_replicated``: replicate's search skips that state since).
 """

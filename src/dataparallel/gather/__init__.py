@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataparallel.gather._gather import (
     ScalarMode,
-    batched_part,
     check_scalars,
     concat_batched,
     first_batch_size,
@@ -47,7 +46,6 @@ __all__ = [
     "ScalarMode",
     "ScalarWeights",
     "SumAndCount",
-    "batched_part",
     "check_output_rules",
     "check_scalars",
     "chunk_weights",

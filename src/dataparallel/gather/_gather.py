@@ -46,7 +46,6 @@ from dataparallel.gather._walk import walk
 
 __all__ = [
     "ScalarMode",
-    "batched_part",
     "check_scalars",
     "concat_batched",
     "first_batch_size",
@@ -55,6 +54,7 @@ __all__ = [
 ]
 
 ScalarMode = Literal["mean", "sum", "stack"]
+_Tensor = torch.Tensor
 _CPU = torch.device("cpu")  # equal only to device(type='cpu'), a CPU tensor's device
 _SCALAR_MODES = ("mean", "sum", "stack")
 
@@ -306,47 +306,36 @@ def _too_deep() -> ValueError:
     )
 
 
-def batched_part(v: Any, size: int, dim: int, target: torch.device) -> bool | None:
-    """How ``v``, the output of a chunk of ``size`` samples, joins rule 1's concatenation along
-    ``dim`` on ``target``: ``None`` when it cannot (not a plain tensor of ``size`` along ``dim``,
-    or also shaped like an RNN state: gather's rules decide), else whether it must move."""
-    if type(v) is not torch.Tensor:
-        return None
-    shape = v.shape  # (read once: each read builds a torch.Size)
-    ndim = len(shape)
-    if not (-ndim <= dim < ndim and shape[dim] == size):
-        return None
-    if dim == 0 and ndim == 3 and shape[1] == size:
-        return None  # an RNN state's shape too: gather's rule decides
-    if target == _CPU:  # a CPU tensor's device is the plain CPU: a flag, not an object to build
-        return not v.is_cpu
-    return bool(v.device != target)
-
-
 def concat_batched(
-    outputs: Sequence[Any],
-    target: torch.device,
-    dim: int,
-    sizes: Sequence[int],
-    checked: int = 0,
-    moves: bool = False,
+    outputs: Sequence[Any], target: torch.device, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor | None:
     """``gather(outputs, target, dim, chunk_sizes=sizes)`` when every output is a plain tensor
     whose size along ``dim`` is its chunk's (rule 1: concatenated on ``target``), for arguments
-    already checked; ``None`` when another rule may apply (the caller then calls ``gather``).
+    already checked; ``None`` when another rule may apply (the caller then calls ``gather``):
+    an output that is not a plain tensor of its chunk's size along ``dim``, or is also shaped
+    like an RNN state (gather's rule decides).
 
-    ``checked``: the first outputs were already found to join (``batched_part``), ``moves``
-    whether any of them must move (a warm call checks replica 0's output while the others
-    still run)."""
-    for v, size in zip(outputs[checked:], sizes[checked:], strict=True):
-        part = batched_part(v, size, dim, target)
-        if part is None:
+    One frame for every output (a warm call runs this on every call): each output's checks are
+    written out in the loop, not in a function per output."""
+    cpu = target == _CPU  # a CPU tensor's device is the plain CPU: a flag, not an object to build
+    moves = False
+    for v, size in zip(outputs, sizes, strict=True):
+        if type(v) is not _Tensor:
             return None
-        moves = moves or part
+        shape = v.shape  # (read once: each read builds a torch.Size)
+        try:
+            if shape[dim] != size:
+                return None
+        except IndexError:  # ``dim`` out of range for this output
+            return None
+        if dim == 0 and len(shape) == 3 and shape[1] == size:
+            return None  # an RNN state's shape too: gather's rule decides
+        if not (v.is_cpu if cpu else v.device == target):
+            moves = True
     try:
         if moves:
             return torch.cat([v if v.device == target else v.to(target) for v in outputs], dim)
-        return torch.cat(cast(list[torch.Tensor], outputs), dim)
+        return torch.cat(outputs, dim)  # type: ignore[arg-type]  # (all plain tensors, above)
     except RuntimeError:  # e.g. other sizes disagree: gather names the path and shapes
         return None
 

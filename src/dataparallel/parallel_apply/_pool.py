@@ -33,7 +33,15 @@ __all__ = ["THREAD_PREFIX"]
 
 THREAD_PREFIX = "dataparallel-"
 
-_local = threading.local()  # .in_worker: set in pool threads (nested calls run inline)
+
+class _Local(threading.local):
+    """A thread's pool state: ``in_worker`` is set in pool threads (nested calls run inline);
+    a class default, so the check on every call is one attribute read."""
+
+    in_worker = False
+
+
+_local = _Local()
 _pool_lock = threading.Lock()
 # keyed by (device, slot): "cpu" and "cpu:1" are two devices, as their names are
 _workers: dict[tuple[torch.device, int], _Worker] = {}
@@ -101,11 +109,6 @@ def workers(devices: list[torch.device], slots: list[int]) -> list[queue.SimpleQ
     return [_worker(d, slot).tasks for d, slot in zip(devices[1:], slots[1:], strict=True)]
 
 
-def pool_pid() -> int:
-    """The process the pool's workers belong to (a forked child's after its first lookup)."""
-    return _pool_pid
-
-
 def _side_stream(device: torch.device, slot: int) -> Any:
     """The pool's CUDA stream for slot ``slot`` (> 0) of ``device``, made on first use."""
     key = (str(device), slot)
@@ -122,15 +125,12 @@ def _run_on_pool(
     tasks: list[_Task],
     slots: list[int],
     release: Callable[[BaseException], None] | None = None,
-    between: Callable[[], None] | None = None,
     queues: list[queue.SimpleQueue[_Task]] | None = None,
 ) -> None:
     """Replicas 1.. on their pool workers, replica 0 on the caller's thread meanwhile.
 
-    ``between`` runs on the caller's thread once replica 0 is done and before waiting for the
-    others: work on replica 0's result there is hidden behind the others, which started later
-    (their workers had to wake up). ``queues``: the workers' queues of tasks 1.., as
-    ``workers`` found them in this process (a caller that keeps its tasks keeps them too).
+    ``queues``: the workers' queues of tasks 1.., as ``workers`` found them in this process (a
+    caller that keeps its tasks keeps them too).
 
     Running replica 0 here saves one hand-off and one wake-up per call, and the caller would
     only wait otherwise. On CUDA, ``_execute`` replays the same device and stream as a worker
@@ -156,8 +156,6 @@ def _run_on_pool(
                 inbox.put(task)
                 submitted += 1
         _execute_first(tasks[0])
-        if between is not None:
-            between()
         for task in tasks[1:]:
             task.done.acquire()
     except BaseException as exc:

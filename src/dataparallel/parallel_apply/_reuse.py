@@ -20,18 +20,18 @@ drops the kept tasks (their locks are in an unknown state), and the next call ma
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
 from dataparallel.devices import device_type
+from dataparallel.parallel_apply import _pool
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
-from dataparallel.parallel_apply._pool import _local, _run_on_pool, pool_pid, workers
-from dataparallel.parallel_apply._spans import settled
+from dataparallel.parallel_apply._pool import _local, _run_on_pool, workers
 from dataparallel.parallel_apply._task import _reraise, _Task
 from dataparallel.replicate import check_writes
 
@@ -55,56 +55,32 @@ _copy_context = thread_state.copy_context
 _INFERENCE: thread_state.Replay = (torch.inference_mode,)
 _NO_ARGS: tuple[Any, ...] = ()
 _NO_KWARGS: Mapping[str, Any] = {}
-_NO_TIMINGS: list[Any] = []
+_grad_enabled = torch.is_grad_enabled
+_error_of = attrgetter("error")
+_span_of = attrgetter("span")
+_result_of = attrgetter("result")
 
 
 class TaskSlots:
     """The kept tasks of one caller (a ``DataParallel`` wrapper's warm step) on ``devices``."""
 
-    __slots__ = (
-        "busy",
-        "check",
-        "cpu",
-        "devices",
-        "on_first",
-        "pid",
-        "queues",
-        "tasks",
-        "timings",
-        "worker_slots",
-    )
+    __slots__ = ("devices", "pid", "queues", "ready", "tasks", "worker_slots")
 
-    def __init__(
-        self, devices: Sequence[torch.device], on_first: Callable[[Any], None] | None = None
-    ) -> None:
+    def __init__(self, devices: Sequence[torch.device]) -> None:
         self.devices = list(devices)
-        self.cpu = len(devices) > 1 and all(device_type(d) == "cpu" for d in devices)
         slots: dict[torch.device, int] = {}
         self.worker_slots: list[int] = []
         for device in devices:  # the k-th replica on a device runs on that device's slot k
             self.worker_slots.append(slots.get(device, 0))
             slots[device] = self.worker_slots[-1] + 1
         self.tasks: list[_Task] | None = None
-        # The workers' queues, as found in process ``pid`` (a forked child finds its own).
-        self.queues: list[Any] | None = None
+        # The workers' queues, as found in process ``pid`` (a forked child finds its own; no
+        # process has pid 0, so the first call looks them up).
+        self.queues: list[Any] = []
         self.pid = 0
-        self.busy = False
-        # Given replica 0's result (when it succeeded and the call asks, ``check``) while the
-        # others may still run. Held weakly: its owner holds these slots, and a cycle would
-        # keep the owner's module and replicas alive until the collector runs.
-        self.on_first = None if on_first is None else weakref.WeakMethod(on_first)
-        self.check = False
-        self.timings: list[Any] = []
-
-    def _between(self) -> None:
-        """Replica 0's part of what follows the join, done while the others still run."""
-        task = self.tasks[0]  # type: ignore[index]
-        span = task.span
-        self.timings.append(span if type(span) is float else settled(span))
-        if self.check and task.error is None and self.on_first is not None:
-            on_first = self.on_first()
-            if on_first is not None:
-                on_first(task.result)
+        # CPU devices only, and not in use by a call of this caller (a forward that calls its
+        # own wrapper): one flag for the two, read first on every call.
+        self.ready = len(devices) > 1 and all(device_type(d) == "cpu" for d in devices)
 
 
 def apply_kept(
@@ -113,17 +89,14 @@ def apply_kept(
     inputs: Sequence[tuple[Any, ...]],
     kwargs_tup: Sequence[Mapping[str, Any]],
     timings: list[Any],
-    check_first: bool = False,
 ) -> list[Any]:
     """``apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)`` for replicas that
     are not marked serial and have no SyncBatchNorm rendezvous, on ``kept``'s tasks when the
     module docstring's conditions hold. ``inputs``: one tuple of positional arguments per
-    replica. ``check_first``: ``kept.on_first`` is given replica 0's result, when it
-    succeeded, while the other replicas may still run (on the kept tasks only)."""
+    replica."""
     if (
-        not kept.cpu
-        or kept.busy
-        or _local.__dict__.get("in_worker", False)
+        not kept.ready
+        or _local.in_worker
         or _interpreter() is not None
         or _dispatch_modes()
         or _function_modes()
@@ -132,47 +105,49 @@ def apply_kept(
         or _any_autocast()
     ):
         return apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
+    replay = _INFERENCE if _inference() else ()
+    context = _copy_context()  # (true when it holds a variable: copied for every task then)
     tasks = kept.tasks
     if tasks is None:
         tasks = kept.tasks = [
             _Task(m, a, k, d, grad, [], None, None, True)
             for m, a, k, d in zip(modules, inputs, kwargs_tup, kept.devices, strict=True)
         ]
-    else:
-        for task, module, args, kwargs in zip(tasks, modules, inputs, kwargs_tup, strict=True):
-            task.module, task.args, task.kwargs, task.grad = module, args, kwargs, grad
-            task.cancelled = task.finished = False
-    replay = _INFERENCE if _inference() else ()
-    context = _copy_context()
-    copy = len(context) > 0  # one copy per task: a context is entered by one thread at once
-    for task in tasks[1:]:
+    # One pass refills every task (replica 0's runs on this thread, which reads none of its
+    # grad mode, replay and context: they are set only to keep to one pass).
+    for task, module, args, kwargs in zip(tasks, modules, inputs, kwargs_tup, strict=True):
+        task.module = module
+        task.args = args
+        task.kwargs = kwargs
+        task.grad = grad
         task.replay = replay
-        task.context = context.copy() if copy else None
+        task.finished = False  # (``cancelled`` is never set on a kept task: see below)
+        if context:  # one copy per task: a context is entered by one thread at once
+            task.context = context.copy()
     queues = kept.queues
-    if queues is None or kept.pid != pool_pid():
+    if kept.pid != _pool._pool_pid:  # (read from the module: a fork rebinds it)
         queues = kept.queues = workers(kept.devices, kept.worker_slots)
-        kept.pid = pool_pid()
-    kept.busy, kept.check, kept.timings = True, check_first, timings
+        kept.pid = _pool._pool_pid
+    kept.ready = False
     try:
-        _run_on_pool(tasks, kept.worker_slots, None, kept._between, queues)
+        _run_on_pool(tasks, kept.worker_slots, None, queues)
     except BaseException:
-        kept.tasks = None  # interrupted: their locks are in an unknown state
+        kept.tasks = None  # interrupted (tasks cancelled): their locks are in an unknown state
         raise
     finally:
-        kept.busy = False
-        kept.timings = _NO_TIMINGS
+        kept.ready = True
     try:
-        if tasks[0].error is not None:
-            _reraise(tasks)
-        for task in tasks[1:]:  # (replica 0's timing was taken meanwhile)
-            span = task.span
-            timings.append(span if type(span) is float else settled(span))
-            if task.error is not None:
-                _reraise(tasks)
+        if any(map(_error_of, tasks)):
+            _reraise(tasks)  # (which drops every task's error: nothing holds its traceback)
+        timings += map(_span_of, tasks)  # CPU replicas: each span is its seconds, a float
         check_writes(modules)
-        return [task.result for task in tasks]
+        return list(map(_result_of, tasks))
     finally:
-        for task in tasks:  # keep no batch, output, error or context alive between calls
-            task.args, task.kwargs, task.context = _NO_ARGS, _NO_KWARGS, None
-            task.span = task.result = task.error = None
+        for task in tasks:  # keep no batch, output or context alive between calls
+            task.args = _NO_ARGS
+            task.kwargs = _NO_KWARGS
+            task.result = None
+        if context:
+            for task in tasks:
+                task.context = None

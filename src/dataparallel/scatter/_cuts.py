@@ -52,6 +52,7 @@ class WaveCut:
         "kw_dims",
         "kw_keys",
         "movers",
+        "no_kwargs",
         "one",
         "sizes",
         "total",
@@ -76,6 +77,7 @@ class WaveCut:
         self.cpu = all(device == _CPU for device in self.devices)
         # The most common call: one tensor, split, no keywords.
         self.one = arg_dims[0] if len(arg_dims) == 1 and not kw_keys else None
+        self.no_kwargs: tuple[tuple[()], ...] = ((),) * len(wave)
 
     @classmethod
     def of(cls, plan: Plan, inputs: Any, kwargs: Mapping[str, Any]) -> WaveCut | None:
@@ -111,18 +113,17 @@ class WaveCut:
         """Each chunk's positional arguments (a tuple) and keyword arguments, in wave order.
         ``plan``: the kept plan (a template or bound), for ``take`` when a size is not the
         plan's."""
-        sizes, movers, total = self.sizes, self.movers, self.total
-        n = len(sizes)
         dim = self.one
         if dim is not None:
             value = inputs[0]
-            if value.shape[dim] == total:
-                parts = value.split_with_sizes(sizes, dim)
-                if self.cpu and value.is_cpu:
-                    return [(part,) for part in parts], [{} for _ in parts]
-                return [(move(part),) for move, part in zip(movers, parts, strict=True)], [
-                    {} for _ in parts
-                ]
+            if value.shape[dim] == self.total:
+                parts: Sequence[torch.Tensor] = value.split_with_sizes(self.sizes, dim)
+                if not (self.cpu and value.is_cpu):
+                    parts = list(map(_call, self.movers, parts))
+                # Each chunk's 1-tuple and its own empty keywords, built in C (no frame per
+                # list): ``self.no_kwargs`` holds one empty tuple per chunk, ``dict(())`` is {}.
+                return list(zip(parts)), list(map(dict, self.no_kwargs))
+        n = len(self.sizes)
         columns = self._columns(inputs, self.arg_dims)
         kw_columns = self._columns([kwargs[key] for key in self.kw_keys], self.kw_dims)
         if columns is None or kw_columns is None:  # a tensor not the plan's batch long

@@ -8,13 +8,14 @@ of a ``gather=False`` call. A call records a ``Load`` (``record``), and ``LastCa
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, overload
 
 import torch
 
-__all__ = ["CallStats", "DeviceOutputs", "LastCall", "Load", "record"]
+__all__ = ["CallStats", "DeviceOutputs", "LastCall", "Load", "new_load", "record"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class Load(NamedTuple):
     chunk_sizes: list[int]
     timers: list[Any]
     waves: int
+
+
+# ``Load`` made from one tuple of its fields in C (``new_load((devices, sizes, timers, 1))``):
+# a NamedTuple's own constructor is a Python function, run on every warm call.
+new_load: Callable[[tuple[Any, ...]], Load] = partial(tuple.__new__, Load)
 
 
 def record(state: dict[str, Any], value: CallStats | Load | None) -> None:

@@ -26,52 +26,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, batched_part, concat_batched, mark_inputs, marks_plain
+from dataparallel.gather import Origins, concat_batched, mark_inputs, marks_plain
 from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, sync_call
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
 from dataparallel.scatter import WaveCut
 from dataparallel.wrapper._partial_sums import find_count
 from dataparallel.wrapper._placement import copy_writes_back
-from dataparallel.wrapper._results import DeviceOutputs, Load, record
+from dataparallel.wrapper._results import DeviceOutputs, new_load, record
 from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicate_wave
 
 __all__ = ["WarmStep", "warm_call", "warm_step"]
 
 _WARM = "warm"  # the memo's key
-_UNSET = object()
 
 
 class WarmStep:
     """What a call of one kept plan reuses: its cut, devices, sizes and kept tasks."""
 
-    __slots__ = (
-        "__weakref__",  # the kept tasks hold ``check_first`` weakly (no cycle)
-        "cut",
-        "devices",
-        "dim",
-        "first",
-        "resolved",
-        "sizes",
-        "target",
-        "tasks",
-    )
+    __slots__ = ("cut", "devices", "resolved", "sizes", "tasks")
 
     def __init__(self, cut: WaveCut) -> None:
         self.cut = cut
         self.devices: list[torch.device] = cut.devices
         self.sizes: list[int] = cut.sizes
         self.resolved = tuple(cut.devices)  # the replica sets' key for these devices
-        self.tasks = TaskSlots(cut.devices, self.check_first)
-        # This call's gather (dim, target), and how replica 0's output joins it: set by
-        # ``check_first`` while the other replicas run, ``_UNSET`` when it did not run.
-        self.dim = 0
-        self.target = cut.devices[0]
-        self.first: Any = _UNSET
-
-    def check_first(self, result: Any) -> None:
-        """Replica 0's part of the gather, done while the other replicas still run."""
-        self.first = batched_part(result, self.sizes[0], self.dim, self.target)
+        self.tasks = TaskSlots(cut.devices)
 
     def run(
         self,
@@ -86,12 +66,8 @@ class WarmStep:
         """The call from the hand-off on, for replicas in line with ``module``, not marked
         serial and with no SyncBatchNorm rendezvous: the kept tasks, then the gather."""
         timers: list[Any] = []
-        concat = w.gather_outputs and not w.__dict__.get("output_rules")  # rule 1 may apply
-        self.first = _UNSET  # (a call that failed after replica 0's check left its verdict)
-        if concat:
-            self.dim, self.target = w.dim, w.output_device
-        outputs = apply_kept(self.tasks, replicas, args, kws, timers, concat)
-        return self.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
+        outputs = apply_kept(self.tasks, replicas, args, kws, timers)
+        return self.finish(w, plan, module, replicas, outputs, args, kws, timers, steps)
 
     def finish(
         self,
@@ -104,27 +80,17 @@ class WarmStep:
         kws: list[dict[str, Any]],
         timers: list[Any],
         steps: Overrides,
-        concat: bool,
     ) -> Any:
-        """The call after the join: writes back, the record, the gather (``concat``: rule 1
-        may apply, as read before the hand-off)."""
+        """The call after the join: writes back, the record, the gather (rule 1, a plain
+        concatenation, when no output rule is set and the outputs allow it)."""
         devices, sizes = self.devices, self.sizes
         if replicas[0] is not module:
             copy_writes_back(replicas[0], module)
-        record(w.__dict__, Load(devices, sizes, timers, 1))
+        record(w.__dict__, new_load((devices, sizes, timers, 1)))
         if not w.gather_outputs:
             return DeviceOutputs(outputs, devices, sizes)
-        if concat:
-            first = self.first
-            if first is _UNSET:  # replica 0's output not looked at yet
-                out = concat_batched(outputs, w.output_device, w.dim, sizes)
-            else:
-                self.first = _UNSET
-                out = (
-                    None
-                    if first is None
-                    else concat_batched(outputs, w.output_device, w.dim, sizes, 1, first)
-                )
+        if not w.__dict__.get("output_rules"):  # (a wrapper unpickled from before has none)
+            out = concat_batched(outputs, w.output_device, w.dim, sizes)
             if out is not None:
                 return out
         origins = Origins(replicas, plan.program, args, kws)
@@ -187,8 +153,6 @@ def warm_call(
     sync = sync_call(state, replicas, devices)
     if serial or sync is not None:
         timers: list[Any] = []
-        concat = w.gather_outputs and not state.get("output_rules")
-        step.first = _UNSET
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
-        return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps, concat)
+        return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps)
     return step.run(w, plan, module, replicas, args, kws, steps)
