@@ -273,13 +273,15 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
             # threads and locks), with a warning naming compile=.
             return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
-        if "_is_replica" in self.__dict__:  # a copy in another wrapper's replica
-            run_here(self.__dict__, cast(nn.Module, self._modules["module"]), inputs, kwargs)
+        state = self.__dict__
+        if "_is_replica" in state:  # a copy in another wrapper's replica
+            run_here(state, cast(nn.Module, self._modules["module"]), inputs, kwargs)
         lock = self._call_lock()
         if not lock.acquire(blocking=False):
             wait_for(lock)
         try:
-            self._check_module_device()
+            if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
+                self._check_module_device()  # the full check, and new sentinels
             try:
                 inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
                 if self.__dict__.get("check_mode") is None:

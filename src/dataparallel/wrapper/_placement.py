@@ -44,8 +44,11 @@ def sentinels_hold(sentinels: list[Sentinel] | None, device: torch.device) -> bo
     if sentinels is None:
         return False
     cpu = device == _CPU  # (device.type builds a string on each read: not read here)
-    for sentinel in sentinels:  # two at most: a loop, not a generator, on every call
-        t = _sentinel_tensor(sentinel)
+    for ref, table, name in sentinels:  # two at most: a loop, not a generator, on every call
+        try:  # (``_sentinel_tensor``, inline: this runs on every call)
+            t = getattr(ref(), table)[name]  # a freed module (None) has no table
+        except (AttributeError, KeyError):  # no module, or no tensor there now
+            return False
         if t is None:
             return False
         if cpu and t.is_cpu:  # a flag, where the device would be an object to build
