@@ -232,10 +232,10 @@ class PlanCache:
 
     def __init__(self) -> None:
         self.plans: list[tuple[tuple[Any, ...], Plan]] = []
-        # The options of the last call, as given and as frozen: while every value is an
-        # immutable one (None, a bool, an int, a dtype: no list of chunk sizes that could be
+        # The options of the last call, as given (a copy) and as frozen: while every value is
+        # an immutable one (None, a bool, an int, a dtype: no list of chunk sizes that could be
         # changed in place), the same values freeze the same, and ``_freeze`` is skipped.
-        self.values: tuple[Any, ...] | None = None
+        self.values: dict[str, Any] | None = None
         self.frozen: tuple[Any, ...] | None = None
 
     def get(
@@ -261,17 +261,26 @@ class PlanCache:
         """The kept template for this call's signature (its ``memo`` is a dict; bind it to the
         call's arguments to run it), or, when none is kept, the plan built for this call (its
         ``memo`` is ``None``), kept for the next calls where it can be."""
-        values = tuple(options.items())
-        if values == self.values:
+        if options == self.values:  # (compared as a dict: in C, no tuple made per call)
             frozen = self.frozen
         else:
             frozen = _freeze(options)
-            immutable = frozen is not None and all(type(v) in _FROZEN for _, v in values)
-            self.values, self.frozen = (values, frozen) if immutable else (None, None)
+            immutable = frozen is not None and all(type(v) in _FROZEN for v in options.values())
+            self.values, self.frozen = (dict(options), frozen) if immutable else (None, None)
         key = None
         if frozen is not None:
             one_device = len(devices) == 1
-            signature = call_key(inputs, kwargs, dim, one_device)
+            if len(inputs) == 1 and not kwargs and type(inputs[0]) is _Tensor:
+                # the most common call, keyed here as ``call_key`` keys it (no call made)
+                a = inputs[0]
+                try:
+                    signature: Any = (
+                        (a.shape, a.layout, a.device) if one_device else (a.shape, a.layout)
+                    )
+                except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+                    signature = None
+            else:
+                signature = call_key(inputs, kwargs, dim, one_device)
             if signature is not None:
                 key = (signature, frozen, dim, *devices)
                 try:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.nn.modules.module as _hooks
 from torch import nn
 
 from dataparallel._common.warn import warn_user
@@ -38,7 +39,6 @@ from dataparallel.replicate import (
     warn_compiled_wrapper,
 )
 from dataparallel.scatter import PlanCache, take
-from dataparallel.wrapper._call import direct_call
 from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
 from dataparallel.wrapper._one_device import checked_call
@@ -241,11 +241,27 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call. Any
-        other call is torch's own."""
-        if direct_call(self.__dict__):
+        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call (a few
+        µs of Python on a warm call). Any other call is torch's own, so hooks, tracing and
+        compilation behave exactly as torch's."""
+        if (  # what _wrapped_call_impl and _call_impl read, in the same way
+            self._compiled_call_impl is None
+            and not (
+                self._forward_hooks
+                or self._forward_pre_hooks
+                or self._backward_hooks
+                or self._backward_pre_hooks
+            )
+            and not (
+                _hooks._global_forward_hooks
+                or _hooks._global_forward_pre_hooks
+                or _hooks._global_backward_hooks
+                or _hooks._global_backward_pre_hooks
+            )
+            and not _tracing()
+        ):
             if type(self) is DataParallel:  # (a subclass may define its own forward)
-                return _FORWARD(self, *inputs, **kwargs)
+                return _RUN(self, inputs, kwargs)
             return self.forward(*inputs, **kwargs)
         return nn.Module.__call__(self, *inputs, **kwargs)
 
@@ -269,6 +285,10 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
         Returns the gathered output, or ``DeviceOutputs`` with ``gather=False``.
         """
+        return _RUN(self, inputs, kwargs)
+
+    def _run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward``'s body, with its arguments as they came (no repacking)."""
         if torch.compiler.is_compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
             # threads and locks), with a warning naming compile=.
@@ -276,15 +296,17 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         state = self.__dict__
         if "_is_replica" in state:  # a copy in another wrapper's replica
             run_here(state, cast(nn.Module, self._modules["module"]), inputs, kwargs)
-        lock = self._call_lock()
-        if not lock.acquire(blocking=False):
+        lock = state.get("_lock") or self._call_lock()
+        if not lock.acquire(False):  # (not blocking)
             wait_for(lock)
         try:
             if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
                 self._check_module_device()  # the full check, and new sentinels
             try:
-                inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
-                if self.__dict__.get("check_mode") is None:
+                if kwargs or len(inputs) != 1 or type(inputs[0]) is not torch.Tensor:
+                    # (one plain tensor, the common call, is never marked)
+                    inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
+                if state.get("check_mode") is None:
                     return self._pipeline(inputs, kwargs)
                 return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
             except RuntimeError:
@@ -312,8 +334,16 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def _pipeline(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
     ) -> Any:
-        steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
-        found = self._plan(inputs, kwargs)
+        state = self.__dict__
+        steps: Overrides = state.get("_steps") or self._find_overrides()
+        # The kept plan for the arguments' signature, devices and options (a template: bind it
+        # to run it), or the plan built for this call (``PlanCache.find``).
+        plans: PlanCache | None = state.get("_plans")
+        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
+            plans = state["_plans"] = PlanCache()
+        found = plans.find(inputs, kwargs, self.device_ids, self.dim, self.options)
+        if found.warnings:
+            self._warn_once(found)
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
         warm = None if method is not None else warm_step(self, found, steps, module, inputs, kwargs)
         if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
@@ -387,17 +417,6 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         construction (or at the first call of a wrapper unpickled from an older version)."""
         steps = self.__dict__["_steps"] = Overrides.of(type(self), DataParallel)
         return steps
-
-    def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        """The kept plan for the arguments' signature, devices and options (a template: bind
-        it to run it), or the plan built for this call (``PlanCache.find``)."""
-        plans: PlanCache | None = self.__dict__.get("_plans")
-        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
-            plans = self.__dict__["_plans"] = PlanCache()
-        plan = plans.find(inputs, kwargs, self.device_ids, self.dim, self.options)
-        if plan.warnings:
-            self._warn_once(plan)
-        return plan
 
     # -- torch's overridable steps ----------------------------------------------------------
 
@@ -474,6 +493,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
                 warn_user(message)
 
 
-_FORWARD = DataParallel.forward  # the plain function (``PresentedForward`` on the class)
+_RUN = DataParallel._run  # forward's body, where a subclass cannot shadow it
+_tracing = torch._C._get_tracing_state
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
