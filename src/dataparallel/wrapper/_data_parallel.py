@@ -260,7 +260,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             )
             and not _tracing()
         ):
-            if type(self) is DataParallel:  # (a subclass may define its own forward)
+            if self.__class__ is DataParallel:  # (a subclass may define its own forward)
                 return _RUN(self, inputs, kwargs)
             return self.forward(*inputs, **kwargs)
         return nn.Module.__call__(self, *inputs, **kwargs)
