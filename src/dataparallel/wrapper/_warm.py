@@ -39,7 +39,7 @@ from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicat
 __all__ = ["WarmStep", "warm_call", "warm_step"]
 
 _WARM = "warm"  # the memo's key of the step
-_COUNT = "count"  # ... and of whether a call passes the count (``warm_step``)
+_PLAIN = "plain"  # ... and of a forward that takes no count from its calls (``warm_step``)
 _UNSET = object()
 
 
@@ -162,21 +162,23 @@ def warm_step(
         step = memo[_WARM] = None if cut is None or len(cut.devices) < 2 else WarmStep(cut)
     if step is None:
         return None
-    # memo[_COUNT]: whether a call passes the count, for the forward function it names. That
-    # (``find_count``) depends on the call's keyword names and number of positional arguments,
-    # fixed by the plan's key (a warm plan's arguments are all plain tensors, never ``None``),
-    # and on the forward's parameters: so it is answered once per forward function, and again
-    # whenever ``module.forward`` (read on every call) is another function. (The plan, this
-    # wrapper's, holds that function until then.)
+    # memo[_PLAIN]: a forward function that takes no count from this plan's calls. Whether a
+    # call passes the count (``find_count``) depends on its keyword names and number of
+    # positional arguments, fixed by the plan's key (a warm plan's arguments are all plain
+    # tensors, never ``None``), and on the forward's parameters: so it is answered once per
+    # forward function, and again whenever ``module.forward`` (read on every call) is another
+    # function. (The plan, this wrapper's, holds that function until then.)
     forward: Any = module.forward
     try:
         func = forward.__func__  # a method: its function (a bound method is made per read)
     except AttributeError:
         func = forward
-    counted = memo.get(_COUNT)
-    if counted is None or counted[0] is not func:
-        counted = memo[_COUNT] = (func, find_count(module, inputs, kwargs) is not None)
-    return None if counted[1] else step
+    if memo.get(_PLAIN) is func:
+        return step
+    if find_count(module, inputs, kwargs) is not None:
+        return None
+    memo[_PLAIN] = func
+    return step
 
 
 def warm_call(
