@@ -246,18 +246,10 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         compilation behave exactly as torch's."""
         if (  # what _wrapped_call_impl and _call_impl read, in the same way
             self._compiled_call_impl is None
-            and not (
-                self._forward_hooks
-                or self._forward_pre_hooks
-                or self._backward_hooks
-                or self._backward_pre_hooks
-            )
-            and not (
-                _hooks._global_forward_hooks
-                or _hooks._global_forward_pre_hooks
-                or _hooks._global_backward_hooks
-                or _hooks._global_backward_pre_hooks
-            )
+            and not (self._forward_hooks or self._forward_pre_hooks)
+            and not (self._backward_hooks or self._backward_pre_hooks)
+            and not (_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks)
+            and not (_hooks._global_backward_hooks or _hooks._global_backward_pre_hooks)
             and not _tracing()
         ):
             if self.__class__ is DataParallel:  # (a subclass may define its own forward)
@@ -289,7 +281,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
 
     def _run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``forward``'s body, with its arguments as they came (no repacking)."""
-        if torch.compiler.is_compiling():
+        if _compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
             # threads and locks), with a warning naming compile=.
             return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
@@ -303,7 +295,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
                 self._check_module_device()  # the full check, and new sentinels
             try:
-                if kwargs or len(inputs) != 1 or type(inputs[0]) is not torch.Tensor:
+                if kwargs or len(inputs) != 1 or type(inputs[0]) is not _Tensor:
                     # (one plain tensor, the common call, is never marked)
                     inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
                 if state.get("check_mode") is None:
@@ -495,5 +487,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
 
 _RUN = DataParallel._run  # forward's body, where a subclass cannot shadow it
 _tracing = torch._C._get_tracing_state
+_compiling = torch.compiler.is_compiling  # (dynamo knows the function, by whatever name)
+_Tensor = torch.Tensor
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
