@@ -38,7 +38,7 @@ from dataparallel.replicate import (
     check_not_compiled,
     warn_compiled_wrapper,
 )
-from dataparallel.scatter import PlanCache, take
+from dataparallel.scatter import take
 from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
 from dataparallel.wrapper._one_device import checked_call
@@ -55,10 +55,10 @@ from dataparallel.wrapper._partial_sums import (
 )
 from dataparallel.wrapper._peft_class import class_for
 from dataparallel.wrapper._placement import (
+    check_module_device,
     check_on_device,
     run_here,
     sentinels_hold,
-    sentinels_of,
 )
 from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
@@ -293,14 +293,25 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             wait_for(lock)
         try:
             if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
-                self._check_module_device()  # the full check, and new sentinels
+                check_module_device(state, self.module, self.src_device_obj)  # in full
             try:
                 if kwargs or len(inputs) != 1 or type(inputs[0]) is not _Tensor:
                     # (one plain tensor, the common call, is never marked)
                     inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
-                if state.get("check_mode") is None:
-                    return self._pipeline(inputs, kwargs)
-                return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
+                if state.get("check_mode") is not None:
+                    return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
+                # _pipeline's start, here: most loops' calls are served by a kept plan's step
+                steps: Overrides = state.get("_steps") or self._find_overrides()
+                found = (state.get("_plans") or self._plan_cache()).find(
+                    inputs, kwargs, self.device_ids, self.dim, self.options
+                )
+                if found.warnings:
+                    self._warn_once(found)
+                module: nn.Module = self._modules["module"]  # type: ignore[assignment]
+                warm = warm_step(self, found, steps, module, inputs, kwargs)
+                if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
+                    return warm_call(self, warm, found, module, inputs, kwargs, steps)
+                return self._pipeline(inputs, kwargs, None, found)
             except RuntimeError:
                 check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
@@ -315,7 +326,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def _run_step(self, name: str, *inputs: Any, **kwargs: Any) -> Any:
         """``forward``'s pipeline with each replica running its method ``name``."""
         with self._call_lock():
-            self._check_module_device()
+            check_module_device(self.__dict__, self.module, self.src_device_obj)
             return self._pipeline(inputs, kwargs, name)
 
     def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -324,22 +335,26 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         return self.forward(*inputs, **kwargs)
 
     def _pipeline(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        method: str | None = None,
+        found: Plan | None = None,
     ) -> Any:
+        """The call from the plan on; ``found``: its plan, where ``_run`` found it and its warm
+        step could not serve it."""
         state = self.__dict__
         steps: Overrides = state.get("_steps") or self._find_overrides()
-        # The kept plan for the arguments' signature, devices and options (a template: bind it
-        # to run it), or the plan built for this call (``PlanCache.find``).
-        plans: PlanCache | None = state.get("_plans")
-        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
-            plans = state["_plans"] = PlanCache()
-        found = plans.find(inputs, kwargs, self.device_ids, self.dim, self.options)
-        if found.warnings:
-            self._warn_once(found)
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
-        warm = None if method is not None else warm_step(self, found, steps, module, inputs, kwargs)
-        if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
-            return warm_call(self, warm, found, module, inputs, kwargs, steps)
+        if found is None:
+            found = (state.get("_plans") or self._plan_cache()).find(
+                inputs, kwargs, self.device_ids, self.dim, self.options
+            )
+            if found.warnings:
+                self._warn_once(found)
+            warm = warm_step(self, found, steps, module, inputs, kwargs) if method is None else None
+            if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
+                return warm_call(self, warm, found, module, inputs, kwargs, steps)
         plan = found if found.memo is None else found.bind(inputs, kwargs)
         slices = plan.slices
         if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:
@@ -467,16 +482,6 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         return explain_call(*args, weighted=weighted, check=check, said=said)
 
     # -- checks -----------------------------------------------------------------------------------
-
-    def _check_module_device(self) -> None:
-        """The module must be on ``device_ids[0]``: checked in full on the first call, then
-        through two sentinels (``dataparallel.wrapper._placement``), so a deep module does not pay a
-        walk over every parameter per call."""
-        device = self.src_device_obj
-        if sentinels_hold(self.__dict__.get("_sentinels"), device):
-            return
-        check_on_device(self.module, device)
-        self.__dict__["_sentinels"] = sentinels_of(self.module)
 
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:

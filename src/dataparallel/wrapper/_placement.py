@@ -74,6 +74,16 @@ def sentinels_of(module: nn.Module) -> Sentinels:
     return (*found[0], *found[-1]) if found else ()
 
 
+def check_module_device(state: dict[str, Any], module: nn.Module, device: torch.device) -> None:
+    """The module must be on ``device`` (``device_ids[0]``): checked in full on the first call
+    (a wrapper's ``__dict__``, ``state``, keeps the sentinels), then through the sentinels, so
+    a deep module does not pay a walk over every parameter per call."""
+    if sentinels_hold(state.get("_sentinels"), device):
+        return
+    check_on_device(module, device)
+    state["_sentinels"] = sentinels_of(module)
+
+
 def check_on_device(module: nn.Module, device: torch.device) -> None:
     """Raise a RuntimeError naming the first parameter or buffer of ``module`` that is not on
     ``device`` (``device_ids[0]``), with the fix."""
