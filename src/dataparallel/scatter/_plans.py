@@ -272,9 +272,8 @@ class PlanCache:
             self.last = (given, context, one_device)
         key = None
         if context is not None:
-            if len(inputs) == 1 and not kwargs and type(inputs[0]) is _Tensor:
+            if len(inputs) == 1 and not kwargs and type(a := inputs[0]) is _Tensor:
                 # the most common call, keyed here as ``call_key`` keys it (no call made)
-                a = inputs[0]
                 try:
                     signature: Any = (
                         (a.shape, a.layout, a.device) if one_device else (a.shape, a.layout)

@@ -148,7 +148,7 @@ def warm_step(
     state = w.__dict__
     if (
         memo is None
-        or any(steps)
+        or True in steps  # (any(steps), without the call)
         or w.scalar_weights is not None
         or state.get("compile_options") is not None
         or "replicate" in state
