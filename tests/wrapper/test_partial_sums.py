@@ -339,3 +339,31 @@ def test_equal_parts_are_still_parts() -> None:
             out = dp.DataParallel(model, ["cpu", "cpu"])(ids, labels, num_items_in_batch=n)
             assert_close_rel(out["loss"], ref["loss"], msg="equal parts")
             assert torch.equal(out["ones"], ref["ones"]) and type(out["ones"]) is torch.Tensor
+
+
+def test_a_forward_replaced_between_warm_calls_is_asked_again_for_the_count() -> None:
+    """The warm step keeps whether a call passes the count per forward function: a forward
+    replaced on the instance, which takes the count where the old one took a plain factor, is
+    read again, and the same call's second argument becomes the whole count (its sum over the
+    chunks comes back summed, as one device's)."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum() * scale
+
+    def counted(self: Scaled, x: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        return self.lin(x).sum() / num_items_in_batch
+
+    model = Scaled()
+    x, n = torch.randn(8, 3), torch.tensor(8.0)
+    w = dp.DataParallel(model, ["cpu", "cpu"])
+    for _ in range(3):  # warm: the kept plan's step serves these calls
+        w(x, n)
+    assert any(template.memo.get("warm") is not None for _, template in w._plans.plans)
+    model.forward = counted.__get__(model)  # the second positional is now the count
+    assert_close_rel(w(x, n), counted(model, x, n), msg="output")

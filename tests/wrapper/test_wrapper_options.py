@@ -95,3 +95,28 @@ def test_a_new_module_is_checked_in_full_at_the_next_call() -> None:
     assert "_sentinels" in w.__dict__
     w.module = nn.Linear(4, 3).to(torch.float64)
     assert w(torch.randn(4, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed", "none"])
+def test_a_sentinel_place_that_lost_its_tensor_means_a_full_check(how: str) -> None:
+    """The sentinels are places (a module held weakly, a table, a name): a layer replaced (the
+    old one freed), a tensor removed from its table or set to ``None`` there sends the next
+    call to the full check, which names the parameter left on the meta device before any
+    replica runs."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ran: list[int] = []
+    model[0].register_forward_pre_hook(lambda *_: ran.append(1))
+    w = dp.DataParallel(model, CPU2)
+    for _ in range(2):
+        w(torch.randn(4, 4))
+    ran.clear()
+    if how == "replaced":  # the last sentinel's module is freed
+        model[1] = nn.Linear(4, 2, device="meta")
+    else:
+        del model[1]._parameters["bias"]
+        if how == "none":
+            model[1].register_parameter("bias", None)
+        model[1].weight = nn.Parameter(torch.empty(2, 4, device="meta"))
+    with pytest.raises(RuntimeError, match=r"'1\.weight' on the meta device"):
+        w(torch.randn(4, 4))
+    assert not ran

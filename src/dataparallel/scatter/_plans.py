@@ -228,15 +228,16 @@ class PlanCache:
     (nothing kept is changed).
     """
 
-    __slots__ = ("frozen", "plans", "values")
+    __slots__ = ("last", "plans")
 
     def __init__(self) -> None:
         self.plans: list[tuple[tuple[Any, ...], Plan]] = []
-        # The options of the last call, as given and as frozen: while every value is an
-        # immutable one (None, a bool, an int, a dtype: no list of chunk sizes that could be
-        # changed in place), the same values freeze the same, and ``_freeze`` is skipped.
-        self.values: tuple[Any, ...] | None = None
-        self.frozen: tuple[Any, ...] | None = None
+        # The last call's (options, dim, devices) as given (copies), and what a key holds of
+        # them besides the signature (``None``: options not cached), and whether the devices are
+        # one. While every option is an immutable value (None, a bool, an int, a dtype: no list
+        # of chunk sizes that could be changed in place), equal values give the same, and
+        # ``_freeze`` is skipped. Replaced whole (concurrent calls).
+        self.last: tuple[Any, tuple[Any, ...] | None, bool] = (None, None, False)
 
     def get(
         self,
@@ -261,19 +262,28 @@ class PlanCache:
         """The kept template for this call's signature (its ``memo`` is a dict; bind it to the
         call's arguments to run it), or, when none is kept, the plan built for this call (its
         ``memo`` is ``None``), kept for the next calls where it can be."""
-        values = tuple(options.items())
-        if values == self.values:
-            frozen = self.frozen
-        else:
+        given, context, one_device = self.last
+        if (options, dim, devices) != given:  # (a dict, an int, a list: compared in C)
             frozen = _freeze(options)
-            immutable = frozen is not None and all(type(v) in _FROZEN for _, v in values)
-            self.values, self.frozen = (values, frozen) if immutable else (None, None)
-        key = None
-        if frozen is not None:
+            immutable = frozen is not None and all(type(v) in _FROZEN for v in options.values())
+            context = None if frozen is None else (frozen, dim, *devices)
             one_device = len(devices) == 1
-            signature = call_key(inputs, kwargs, dim, one_device)
+            given = (dict(options), dim, list(devices)) if immutable else None
+            self.last = (given, context, one_device)
+        key = None
+        if context is not None:
+            if len(inputs) == 1 and not kwargs and type(a := inputs[0]) is _Tensor:
+                # the most common call, keyed here as ``call_key`` keys it (no call made)
+                try:
+                    signature: Any = (
+                        (a.shape, a.layout, a.device) if one_device else (a.shape, a.layout)
+                    )
+                except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+                    signature = None
+            else:
+                signature = call_key(inputs, kwargs, dim, one_device)
             if signature is not None:
-                key = (signature, frozen, dim, *devices)
+                key = (signature, context)
                 try:
                     for kept, template in self.plans:
                         if kept == key:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+import torch.nn.modules.module as _hooks
 from torch import nn
 
 from dataparallel._common.warn import warn_user
@@ -37,8 +38,7 @@ from dataparallel.replicate import (
     check_not_compiled,
     warn_compiled_wrapper,
 )
-from dataparallel.scatter import PlanCache, take
-from dataparallel.wrapper._call import direct_call
+from dataparallel.scatter import take
 from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
 from dataparallel.wrapper._one_device import checked_call
@@ -55,10 +55,10 @@ from dataparallel.wrapper._partial_sums import (
 )
 from dataparallel.wrapper._peft_class import class_for
 from dataparallel.wrapper._placement import (
+    check_module_device,
     check_on_device,
     run_here,
     sentinels_hold,
-    sentinels_of,
 )
 from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
@@ -242,11 +242,19 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``nn.Module.__call__``, with the common call (no hook on the wrapper, no global module
         hook, not traced by ``torch.jit.trace``, not compiled in place) sent straight to
-        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call. Any
-        other call is torch's own."""
-        if direct_call(self.__dict__):
-            if type(self) is DataParallel:  # (a subclass may define its own forward)
-                return _FORWARD(self, *inputs, **kwargs)
+        ``forward``, past the checks torch's ``Module._call_impl`` makes on every call (a few
+        µs of Python on a warm call). Any other call is torch's own, so hooks, tracing and
+        compilation behave exactly as torch's."""
+        if (  # what _wrapped_call_impl and _call_impl read, in the same way
+            self._compiled_call_impl is None
+            and not (self._forward_hooks or self._forward_pre_hooks)
+            and not (self._backward_hooks or self._backward_pre_hooks)
+            and not (_hooks._global_forward_hooks or _hooks._global_forward_pre_hooks)
+            and not (_hooks._global_backward_hooks or _hooks._global_backward_pre_hooks)
+            and not _tracing()
+        ):
+            if self.__class__ is DataParallel:  # (a subclass may define its own forward)
+                return _RUN(self, inputs, kwargs)
             return self.forward(*inputs, **kwargs)
         return nn.Module.__call__(self, *inputs, **kwargs)
 
@@ -270,22 +278,41 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         A pool worker never waits for the lock (``wait_for``): that could wait on its caller.
         Returns the gathered output, or ``DeviceOutputs`` with ``gather=False``.
         """
-        if torch.compiler.is_compiling():
+        return _RUN(self, inputs, kwargs)
+
+    def _run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward``'s body, with its arguments as they came (no repacking)."""
+        if _compiling():
             # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
             # threads and locks), with a warning naming compile=.
             return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
-        if "_is_replica" in self.__dict__:  # a copy in another wrapper's replica
-            run_here(self.__dict__, cast(nn.Module, self._modules["module"]), inputs, kwargs)
-        lock = self._call_lock()
-        if not lock.acquire(blocking=False):
+        state = self.__dict__
+        if "_is_replica" in state:  # a copy in another wrapper's replica
+            run_here(state, cast(nn.Module, self._modules["module"]), inputs, kwargs)
+        lock = state.get("_lock") or self._call_lock()
+        if not lock.acquire(False):  # (not blocking)
             wait_for(lock)
         try:
-            self._check_module_device()
+            if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
+                check_module_device(state, self.module, self.src_device_obj)  # in full
             try:
-                inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
-                if self.__dict__.get("check_mode") is None:
-                    return self._pipeline(inputs, kwargs)
-                return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
+                if kwargs or len(inputs) != 1 or type(inputs[0]) is not _Tensor:
+                    # (one plain tensor, the common call, is never marked)
+                    inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
+                if state.get("check_mode") is not None:
+                    return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
+                # _pipeline's start, here: most loops' calls are served by a kept plan's step
+                steps: Overrides = state.get("_steps") or self._find_overrides()
+                found = (state.get("_plans") or self._plan_cache()).find(
+                    inputs, kwargs, self.device_ids, self.dim, self.options
+                )
+                if found.warnings:
+                    self._warn_once(found)
+                module: nn.Module = self._modules["module"]  # type: ignore[assignment]
+                warm = warm_step(self, found, steps, module, inputs, kwargs)
+                if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
+                    return warm_call(self, warm, found, module, inputs, kwargs, steps)
+                return self._pipeline(inputs, kwargs, None, found)
             except RuntimeError:
                 check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
                 raise
@@ -300,7 +327,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
     def _run_step(self, name: str, *inputs: Any, **kwargs: Any) -> Any:
         """``forward``'s pipeline with each replica running its method ``name``."""
         with self._call_lock():
-            self._check_module_device()
+            check_module_device(self.__dict__, self.module, self.src_device_obj)
             return self._pipeline(inputs, kwargs, name)
 
     def _eager_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -309,14 +336,26 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         return self.forward(*inputs, **kwargs)
 
     def _pipeline(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], method: str | None = None
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        method: str | None = None,
+        found: Plan | None = None,
     ) -> Any:
-        steps: Overrides = self.__dict__.get("_steps") or self._find_overrides()
-        found = self._plan(inputs, kwargs)
+        """The call from the plan on; ``found``: its plan, where ``_run`` found it and its warm
+        step could not serve it."""
+        state = self.__dict__
+        steps: Overrides = state.get("_steps") or self._find_overrides()
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
-        warm = None if method is not None else warm_step(self, found, steps, module, inputs, kwargs)
-        if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
-            return warm_call(self, warm, found, module, inputs, kwargs, steps)
+        if found is None:
+            found = (state.get("_plans") or self._plan_cache()).find(
+                inputs, kwargs, self.device_ids, self.dim, self.options
+            )
+            if found.warnings:
+                self._warn_once(found)
+            warm = warm_step(self, found, steps, module, inputs, kwargs) if method is None else None
+            if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
+                return warm_call(self, warm, found, module, inputs, kwargs, steps)
         plan = found if found.memo is None else found.bind(inputs, kwargs)
         slices = plan.slices
         if len(slices) == 1 and len(slices[0]) == 1 and len(self.device_ids) > 1:
@@ -387,17 +426,6 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         steps = self.__dict__["_steps"] = Overrides.of(type(self), DataParallel)
         return steps
 
-    def _plan(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        """The kept plan for the arguments' signature, devices and options (a template: bind
-        it to run it), or the plan built for this call (``PlanCache.find``)."""
-        plans: PlanCache | None = self.__dict__.get("_plans")
-        if plans is None:  # made lazily: a wrapper unpickled from an older version has none
-            plans = self.__dict__["_plans"] = PlanCache()
-        plan = plans.find(inputs, kwargs, self.device_ids, self.dim, self.options)
-        if plan.warnings:
-            self._warn_once(plan)
-        return plan
-
     # -- torch's overridable steps ----------------------------------------------------------
 
     def scatter(
@@ -456,16 +484,6 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
 
     # -- checks -----------------------------------------------------------------------------------
 
-    def _check_module_device(self) -> None:
-        """The module must be on ``device_ids[0]``: checked in full on the first call, then
-        through two sentinels (``dataparallel.wrapper._placement``), so a deep module does not pay a
-        walk over every parameter per call."""
-        device = self.src_device_obj
-        if sentinels_hold(self.__dict__.get("_sentinels"), device):
-            return
-        check_on_device(self.module, device)
-        self.__dict__["_sentinels"] = sentinels_of(self.module)
-
     def _warn_once(self, plan: Plan) -> None:
         if plan.warnings and plan.warning_key not in self._warned:
             self._warned.add(plan.warning_key)
@@ -473,6 +491,9 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
                 warn_user(message)
 
 
-_FORWARD = DataParallel.forward  # the plain function (``PresentedForward`` on the class)
+_RUN = DataParallel._run  # forward's body, where a subclass cannot shadow it
+_tracing = torch._C._get_tracing_state
+_compiling = torch.compiler.is_compiling  # (dynamo knows the function, by whatever name)
+_Tensor = torch.Tensor
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

@@ -29,8 +29,9 @@ __all__: list[str] = []
 
 _CPU = torch.device("cpu")
 
-# Where a sentinel tensor lives: its module (held weakly), "_parameters" or "_buffers", its name.
-Sentinel = tuple["weakref.ref[nn.Module]", str, str]
+# The two sentinels, flat: for the first and the last tensor, its module (held weakly),
+# "_parameters" or "_buffers", and its name; ``()`` for a module without a tensor.
+Sentinels = tuple[Any, ...]
 
 
 def same_device(found: torch.device, expected: torch.device) -> bool:
@@ -39,24 +40,30 @@ def same_device(found: torch.device, expected: torch.device) -> bool:
     return found == expected or (found.type == "cpu" and expected.type == "cpu")
 
 
-def sentinels_hold(sentinels: list[Sentinel] | None, device: torch.device) -> bool:
-    """Whether the sentinels still hold tensors, all on ``device`` (then no full check)."""
-    if sentinels is None:
-        return False
-    cpu = device == _CPU  # (device.type builds a string on each read: not read here)
-    for sentinel in sentinels:  # two at most: a loop, not a generator, on every call
-        t = _sentinel_tensor(sentinel)
-        if t is None:
-            return False
-        if cpu and t.is_cpu:  # a flag, where the device would be an object to build
-            continue
-        if not (t.device == device or (t.is_cpu and device.type == "cpu")):
-            return False
-    return True
+def sentinels_hold(sentinels: Sentinels | None, device: torch.device) -> bool:
+    """Whether the sentinels still hold tensors, all on ``device`` (then no full check).
+
+    Read on every call, so flat: one unpacking, two look-ups, no loop. Anything that fails
+    (no sentinels yet, a freed module, which has no table, a name no longer in its table, a
+    ``None`` there, which has no device) means the full check."""
+    try:  # (None, no sentinels yet: a TypeError)
+        ref, table, name, last_ref, last_table, last_name = sentinels  # type: ignore[misc]
+        first = getattr(ref(), table)[name]
+        last = getattr(last_ref(), last_table)[last_name]
+        # (device.type builds a string on each read; is_cpu is a flag)
+        if device == _CPU and first.is_cpu and last.is_cpu:
+            return True
+        return _on(first, device) and _on(last, device)
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return sentinels == ()  # a module without a tensor has nothing to misplace
 
 
-def sentinels_of(module: nn.Module) -> list[Sentinel]:
-    """The places of ``module``'s first and last tensor (none for a module without one)."""
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device == device or (t.is_cpu and device.type == "cpu")
+
+
+def sentinels_of(module: nn.Module) -> Sentinels:
+    """The places of ``module``'s first and last tensor (``()`` for a module without one)."""
     found = [
         (weakref.ref(m), table, name)
         for m in module.modules()
@@ -64,7 +71,17 @@ def sentinels_of(module: nn.Module) -> list[Sentinel]:
         for name, t in getattr(m, table).items()
         if t is not None
     ]
-    return found[:1] + found[-1:]
+    return (*found[0], *found[-1]) if found else ()
+
+
+def check_module_device(state: dict[str, Any], module: nn.Module, device: torch.device) -> None:
+    """The module must be on ``device`` (``device_ids[0]``): checked in full on the first call
+    (a wrapper's ``__dict__``, ``state``, keeps the sentinels), then through the sentinels, so
+    a deep module does not pay a walk over every parameter per call."""
+    if sentinels_hold(state.get("_sentinels"), device):
+        return
+    check_on_device(module, device)
+    state["_sentinels"] = sentinels_of(module)
 
 
 def check_on_device(module: nn.Module, device: torch.device) -> None:
@@ -167,22 +184,6 @@ def _all_on(module: nn.Module, device: torch.device) -> bool:
         for group in (m._parameters, m._buffers)
         for t in group.values()
     )
-
-
-def watched_tensors(sentinels: list[Sentinel]) -> tuple[torch.Tensor, ...]:
-    """The tensors the sentinels hold now (for a caller that knows their places unchanged,
-    and reads only the devices: ``module.to()`` keeps a tensor object and moves its data)."""
-    return tuple(t for t in map(_sentinel_tensor, sentinels) if t is not None)
-
-
-def _sentinel_tensor(sentinel: Sentinel) -> torch.Tensor | None:
-    ref, table, name = sentinel
-    module = ref()
-    if module is None:
-        return None
-    # A TorchScript module's tables are not in its __dict__, and have no .get.
-    tensors = getattr(module, table)
-    return tensors[name] if name in tensors else None  # noqa: SIM401
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from dataparallel.scatter import PlanCache
 from dataparallel.wrapper._signature import SLOT
 
 __all__: list[str] = []
@@ -66,3 +67,9 @@ class CallState:
         if lock is None:  # made lazily: a copied or unpickled wrapper has none
             lock = self.__dict__.setdefault("_lock", threading.RLock())
         return lock
+
+    def _plan_cache(self) -> PlanCache:
+        """The kept plans (``PlanCache.find``), made lazily: a copied or unpickled wrapper has
+        none."""
+        plans = self.__dict__["_plans"] = PlanCache()
+        return plans

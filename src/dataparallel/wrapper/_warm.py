@@ -38,7 +38,8 @@ from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicat
 
 __all__ = ["WarmStep", "warm_call", "warm_step"]
 
-_WARM = "warm"  # the memo's key
+_WARM = "warm"  # the memo's key of the step
+_PLAIN = "plain"  # ... and of a forward that takes no count from its calls (``warm_step``)
 
 
 class WarmStep:
@@ -113,7 +114,7 @@ def warm_step(
     state = w.__dict__
     if (
         memo is None
-        or any(steps)
+        or True in steps  # (any(steps), without the call)
         or w.scalar_weights is not None
         or state.get("compile_options") is not None
         or "replicate" in state
@@ -125,7 +126,25 @@ def warm_step(
     except KeyError:
         cut = WaveCut.of(plan, inputs, kwargs)
         step = memo[_WARM] = None if cut is None or len(cut.devices) < 2 else WarmStep(cut)
-    return None if step is None or find_count(module, inputs, kwargs) is not None else step
+    if step is None:
+        return None
+    # memo[_PLAIN]: a forward function that takes no count from this plan's calls. Whether a
+    # call passes the count (``find_count``) depends on its keyword names and number of
+    # positional arguments, fixed by the plan's key (a warm plan's arguments are all plain
+    # tensors, never ``None``), and on the forward's parameters: so it is answered once per
+    # forward function, and again whenever ``module.forward`` (read on every call) is another
+    # function. (The plan, this wrapper's, holds that function until then.)
+    forward: Any = module.forward
+    try:
+        func = forward.__func__  # a method: its function (a bound method is made per read)
+    except AttributeError:
+        func = forward
+    if memo.get(_PLAIN) is func:
+        return step
+    if find_count(module, inputs, kwargs) is not None:
+        return None
+    memo[_PLAIN] = func
+    return step
 
 
 def warm_call(

@@ -41,8 +41,16 @@ def passes_integers(chunk_args: Any, chunk_kwargs: Any) -> bool:
 
 def marks_plain(inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """``mark_inputs``' decision for a call of plain tensors only (the warm call's), read from
-    the call's own tensors: each chunk's are their parts, of the same dtype and dimensions."""
-    return any(map(_integers, inputs)) or (bool(kwargs) and any(map(_integers, kwargs.values())))
+    the call's own tensors: each chunk's are their parts, of the same dtype and dimensions.
+    (``_integers``, inline: every value here is a plain tensor.)"""
+    for t in inputs:
+        if t.dtype not in _NO_TARGET and t.ndim:
+            return True
+    if kwargs:
+        for t in kwargs.values():
+            if t.dtype not in _NO_TARGET and t.ndim:
+                return True
+    return False
 
 
 def _integers(value: Any) -> bool:
