@@ -289,7 +289,7 @@ class Replicas(TensorSync):
         """
         if self.slotted:
             self._copy_slots(root)
-        if self.targets or self.buffers or self.writes.arm(self.params):
+        if self.targets or self.buffers or self.writes.arm():
             per_device = self.writes.private(self._sync_params())
             self._sync_buffers(self.current)
             self._install(root, per_device)
