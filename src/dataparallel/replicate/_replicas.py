@@ -172,13 +172,16 @@ class Replicas(TensorSync):
             device_key(b.device) == key0 for b in self.buffers
         )
         self.first = 1 if self.own else 0  # the first replica that is synced
+        self.copies = bool(self.targets or self.buffers)  # (a copy to refresh on every call)
 
         # The module's buffers as of the last sync, the fused buffer copy the next sync may
         # take, and what the last fill saw.
         self.current: list[torch.Tensor] = list(self.buffers)
         self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
-        self.answer: Kept | None = None  # ``kept``'s, from the last sync to the next
+        # ``kept``'s answer, and the snapshot it holds with (``None``: none held, a new sync)
+        self.answer: Kept | None = None
+        self.warm: Snapshot | None = None
         # Whether the replicas meet at a SyncBatchNorm rendezvous: fixed with the classes.
         built = [n.module for r in self.replicas for n in r.nodes]
         self.syncbn = any(isinstance(m, nn.SyncBatchNorm) for m in [*modules, *built])
@@ -228,20 +231,19 @@ class Replicas(TensorSync):
         """:meth:`current_replicas` for an owner holding ``root``, with their serial mark and
         ``syncbn``: one answer, kept from one sync to the next (only a fill marks them), read
         as it is while nothing is written. ``None`` when the structure changed."""
-        answer, snapshot, rebinding = self.answer, self.snapshot, self.rebinding
-        if (
-            answer is not None
-            and snapshot is not None
-            and snapshot.same()
-            and (not rebinding.watched or rebinding.same())
-        ):
-            self._refresh(root)
-            return answer
+        snapshot, rebinding = self.warm, self.rebinding
+        if snapshot is not None and snapshot.same() and (not rebinding.watched or rebinding.same()):
+            if self.slotted:  # (``_refresh``, inlined)
+                self._copy_slots(root)
+            if self.copies or self.writes.arm():
+                self._resync(root)
+            return self.answer
         replicas = self.current_replicas(root)
         if replicas is None:
             return None
-        self.answer = answer = (replicas, serial_mark(replicas), self.syncbn)
-        return answer
+        self.answer = (replicas, serial_mark(replicas), self.syncbn)
+        self.warm = self.snapshot
+        return self.answer
 
     def sync_once(self, root: nn.Module) -> list[nn.Module]:
         """The first sync of a new set, with no snapshot kept (``fresh_replicate``)."""
@@ -272,7 +274,7 @@ class Replicas(TensorSync):
         self._fill(root, buffers, only)
         if self.slotted:
             self._copy_slots(root)
-        self.fills, self.answer = self.fills + 1, None  # (a fill may mark them: ``kept``)
+        self.fills, self.warm = self.fills + 1, None  # (a fill may mark them: ``kept``)
         for replica in self.replicas:
             replica.params_in = replica.buffers_in = None
         self._install(root, per_device)
@@ -289,10 +291,14 @@ class Replicas(TensorSync):
         """
         if self.slotted:
             self._copy_slots(root)
-        if self.targets or self.buffers or self.writes.arm():
-            per_device = self.writes.private(self._sync_params())
-            self._sync_buffers(self.current)
-            self._install(root, per_device)
+        if self.copies or self.writes.arm():
+            self._resync(root)
+
+    def _resync(self, root: nn.Module) -> None:
+        """``_refresh``'s tensors: parameter copies, private buffer copies, clones."""
+        per_device = self.writes.private(self._sync_params())
+        self._sync_buffers(self.current)
+        self._install(root, per_device)
 
     def _copy_slots(self, root: nn.Module) -> None:
         """Each slotted module's slot values, as they are now, on its replicas (an unset slot
