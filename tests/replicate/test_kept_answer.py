@@ -73,3 +73,19 @@ def test_no_answer_for_another_module_or_a_shared_owner() -> None:
     shared = ReplicaSets(shared=True)
     shared.replicate(model, DEVICES)
     assert shared.kept(model, DEVICES) is None
+
+
+def test_the_writes_guard_keeps_the_parameters_never_a_copy() -> None:
+    """The shared slots' tensors the guard reads on every call (``ForwardWrites.tensors``)
+    are the module's parameters, read once; on a device list whose replicas share copies
+    (``cpu:1`` twice, the parameters on ``cpu``) they must not keep the first call's copies
+    alive."""
+    model = Net()
+    devices = (torch.device("cpu", 1), torch.device("cpu", 1))
+    sets = ReplicaSets()
+    replicas = sets.replicate(model, devices)
+    entry = sets.sets[devices]
+    assert replicas[0].lin.weight is not model.lin.weight  # copies, shared by both replicas
+    assert entry.writes.shared
+    params = list(model.parameters())
+    assert all(any(t is p for p in params) for t in entry.writes.tensors)

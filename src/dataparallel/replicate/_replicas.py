@@ -187,7 +187,7 @@ class Replicas(TensorSync):
         self.syncbn = any(isinstance(m, nn.SyncBatchNorm) for m in [*modules, *built])
         # Shared parameters that forward writes (a momentum encoder): private copies for the
         # replicas after the first, so each call writes them once (``_written``).
-        self.writes = ForwardWrites()
+        self.writes = ForwardWrites(self.params)
         # Modules whose class declares __slots__: their values live outside __dict__, so
         # every sync copies them to the replicas (a refill copies only the __dict__).
         self.slotted = [

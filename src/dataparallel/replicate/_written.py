@@ -56,17 +56,18 @@ class ForwardWrites:
     """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
     keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("before", "clones", "guard", "shared", "tensors")
+    __slots__ = ("before", "clones", "guard", "params", "shared", "tensors")
 
-    def __init__(self) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params  # the replica set's parameters (a list fixed with the set)
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
         # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
         self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
         # Their versions, then their data addresses, at the sync (``_marks``).
         self.before: list[int | None] = []
-        # The shared tensors of replica 0, read at the first sync: the parameters themselves
-        # where ``arm`` is used (replicas with no copy on any device), fixed with the set.
+        # The parameters at the shared slots, read at the first sync (``arm``'s, for replicas
+        # that use the parameters themselves: no copy on any device).
         self.tensors: list[torch.Tensor] = []
 
     def arm(self) -> bool:
@@ -96,7 +97,7 @@ class ForwardWrites:
         the shared ones that do guarded for this call."""
         if self.shared is None:
             self.shared = _shared_slots(per_device)
-            self.tensors = [per_device[0][i] for i in self.shared]
+            self.tensors = [self.params[i] for i in self.shared]
         shared = self.shared
         if not shared:
             self.guard = []
