@@ -273,3 +273,25 @@ def test_stamps_are_made_once_and_kept_through_refills() -> None:
     snapshot.retake(modules, snapshot.changed())
     assert snapshot._stamps is None
     assert snapshot.same() and snapshot._stamps is not None and snapshot.same()
+
+
+@pytest.mark.parametrize("where", [0, 1, 4])  # the root, a child, a grandchild
+@pytest.mark.parametrize("write", ["class", "dict", "dict of the same contents"])
+def test_a_class_or_dictionary_replaced_is_seen_past_the_stamps(
+    stamping: bool, where: int, write: str
+) -> None:
+    """``module.__class__ = Other`` and ``module.__dict__ = {...}`` write no table, so no
+    stamp moves: the class and the dictionary object are compared on every call, for the
+    root as for every other module (a dictionary with the same contents included)."""
+    net = _net()
+    modules = list(net.modules())
+    snapshot = Snapshot(modules)
+    assert snapshot.same() and snapshot.same()  # (the stamps are taken where there are some)
+    target = modules[where]
+    if write == "class":
+        target.__class__ = type(f"Other{type(target).__name__}", (type(target),), {})
+    elif write == "dict":
+        target.__dict__ = {**target.__dict__, "tag": 1}
+    else:
+        target.__dict__ = dict(target.__dict__)
+    assert not snapshot.same()

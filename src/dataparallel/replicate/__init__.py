@@ -54,12 +54,13 @@ from dataparallel.replicate._compiled import (
     warn_compiled_wrapper,
 )
 from dataparallel.replicate._rebind import SERIAL, serial_mark
-from dataparallel.replicate._replicas import Replicas
+from dataparallel.replicate._replicas import Kept, Replicas
 from dataparallel.replicate._written import check_writes
 
 __all__ = [
     "SERIAL",
     "CompiledReplicas",
+    "Kept",
     "ReplicaSets",
     "check_compile_option",
     "check_not_compiled",
@@ -198,15 +199,16 @@ class ReplicaSets:
             self.module, self.sets = module, {}
         return _replicas_of(self.sets, module, resolved, _always)
 
-    def kept(self, module: nn.Module, devices: _Devices) -> list[nn.Module] | None:
+    def kept(self, module: nn.Module, devices: _Devices) -> Kept | None:
         """The replicas kept for ``devices`` (resolved, as ``replicate`` keys them), in line
         with ``module`` now: what :meth:`replicate` returns on a warm call, without resolving
-        the devices again. ``None`` when none are kept for them, or the module's structure
-        changed: :meth:`replicate` then builds them."""
-        if self.shared or module is not self.module:
+        the devices again, with their serial mark (:func:`serial_mark`) and whether they hold
+        an ``nn.SyncBatchNorm`` (``Replicas.kept``). ``None`` when none are kept for them, or
+        the module's structure changed: :meth:`replicate` then builds them."""
+        if module is not self.module:  # (a shared owner keeps no module: always here)
             return None
         entry = self.sets.get(devices)
-        return None if entry is None else entry.current_replicas(module)
+        return None if entry is None else entry.kept(module)
 
 
 def fresh_replicate(module: nn.Module, devices: Sequence[DeviceSpec]) -> list[nn.Module]:

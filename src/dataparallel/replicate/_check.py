@@ -157,7 +157,7 @@ _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # (``const_data_ptr``: ``data_ptr`` would make a copy-on-write tensor copy its data)
 _DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
-_DICT = operator.attrgetter("__dict__")
+_IS = operator.is_
 _VALUES = dict.values
 
 
@@ -261,17 +261,15 @@ class Snapshot:
     """
 
     __slots__ = (
-        "_classes",
-        "_classes_rest",
+        "_attrs",
         "_counted",
-        "_dicts",
-        "_dicts_rest",
+        "_expect",
+        "_held",
         "_keyed",
         "_lens",
         "_loose",
         "_loose_values",
         "_modules",
-        "_objects",
         "_ptrs",
         "_root",
         "_stampable",
@@ -330,13 +328,14 @@ class Snapshot:
         self._ptrs = _ptrs(self._tensors)
         self._loose = list(chain.from_iterable(s.loose for s in states))
         self._loose_values = list(chain.from_iterable(s.loose_vals for s in states))
-        # The root weakly (see ``_ModuleState``), the others as the replica set holds them.
+        # Read on every call in one pass (``same``): each module's class and dictionary object
+        # (``getattr(m, "__class__")``: its type, which no table holds), then the loose tables'
+        # contents in their own order. The root weakly (see ``_ModuleState``), the others as
+        # the replica set holds them, each twice (its class, its dictionary).
         self._root = states[0].ref
-        self._objects = [s.ref() for s in states[1:]]
-        self._classes = [s.cls for s in states]
-        self._dicts = [s.d for s in states]
-        # (those of the modules past the root, apart: compared on every call, not sliced)
-        self._classes_rest, self._dicts_rest = self._classes[1:], self._dicts[1:]
+        self._held = [m for s in states[1:] for m in (s.ref(),) * 2]
+        self._attrs = ["__class__", "__dict__"] * len(states)
+        self._expect = [*chain.from_iterable((s.cls, s.d) for s in states), *self._loose_values]
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot.
@@ -359,21 +358,20 @@ class Snapshot:
                 self._stampable = stamps is not None  # (not tried again where none can be)
             if stamps is not None:
                 stamps.take()
-        return self.rest_same()
-
-    def rest_same(self) -> bool:
-        """What :meth:`same` checks besides the tables' stamps: each module's class and
-        dictionary object, the order of the tables that are not plain dictionaries, and the
-        watched storage addresses."""
-        return (
-            (root := self._root()) is not None
-            and type(root) is self._classes[0]
-            and root.__dict__ is self._dicts[0]
-            and list(map(type, self._objects)) == self._classes_rest
-            and all(map(operator.is_, map(_DICT, self._objects), self._dicts_rest))
-            and all(map(operator.is_, chain.from_iterable(self._loose), self._loose_values))
-            and (not self._tensors or _ptrs(self._tensors) == self._ptrs)
-        )
+        # Besides the stamps: each module's class and dictionary object, the order of the
+        # tables that are not plain dictionaries (a dead root: ``NoneType``, not its class),
+        # and the watched storage addresses.
+        root = self._root()
+        return all(
+            map(
+                _IS,
+                chain(
+                    map(getattr, chain((root, root), self._held), self._attrs),
+                    chain.from_iterable(self._loose),
+                ),
+                self._expect,
+            )
+        ) and (not self._tensors or _ptrs(self._tensors) == self._ptrs)
 
     def changed(self) -> list[int]:
         """The preorder indices of the modules written since the snapshot."""

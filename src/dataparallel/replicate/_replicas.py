@@ -45,6 +45,7 @@ from dataparallel.replicate._rebind import (
     Rebinding,
     rebind_state,
     replica_zero_grad,
+    serial_mark,
 )
 from dataparallel.replicate._records import (
     NOT_YET,
@@ -62,7 +63,10 @@ from dataparallel.replicate._records import (
 from dataparallel.replicate._sync import TensorSync
 from dataparallel.replicate._written import WRITES, ForwardWrites
 
-__all__ = ["Replicas"]
+__all__ = ["Kept", "Replicas"]
+
+# ``Replicas.kept``'s answer: the replicas, their serial mark, whether they hold a SyncBatchNorm.
+Kept = tuple[list[nn.Module], str | None, bool]
 
 _BASE_REPLICATE = nn.Module._replicate_for_data_parallel
 
@@ -168,15 +172,22 @@ class Replicas(TensorSync):
             device_key(b.device) == key0 for b in self.buffers
         )
         self.first = 1 if self.own else 0  # the first replica that is synced
+        self.copies = bool(self.targets or self.buffers)  # (a copy to refresh on every call)
 
         # The module's buffers as of the last sync, the fused buffer copy the next sync may
         # take, and what the last fill saw.
         self.current: list[torch.Tensor] = list(self.buffers)
         self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
+        # ``kept``'s answer, and the snapshot it holds with (``None``: none held, a new sync)
+        self.answer: Kept | None = None
+        self.warm: Snapshot | None = None
+        # Whether the replicas meet at a SyncBatchNorm rendezvous: fixed with the classes.
+        built = [n.module for r in self.replicas for n in r.nodes]
+        self.syncbn = any(isinstance(m, nn.SyncBatchNorm) for m in [*modules, *built])
         # Shared parameters that forward writes (a momentum encoder): private copies for the
         # replicas after the first, so each call writes them once (``_written``).
-        self.writes = ForwardWrites()
+        self.writes = ForwardWrites(self.params)
         # Modules whose class declares __slots__: their values live outside __dict__, so
         # every sync copies them to the replicas (a refill copies only the __dict__).
         self.slotted = [
@@ -184,31 +195,6 @@ class Replicas(TensorSync):
             for i, m in enumerate(modules)
             if self.sources[i].through is None and (names := slot_names(type(m)))
         ]
-
-    def adopt(self, old: Replicas) -> None:
-        """Take over the copies of frozen parameters that ``old``, the set this one replaces
-        (same module, same devices), gave its replicas: the same tensor objects, re-synced at
-        the next call, so a graph an earlier call saved one in reads what later calls write
-        into it, as on one device (``_written.resync``). A spectral norm whose forward
-        assigns ``u.data`` gives its parameter a new address on every call, which rebuilds
-        the set (``structure_key``) each time."""
-        if len(old.replicas) != len(self.replicas):
-            return
-        slot = {id(p): i for i, p in enumerate(self.params)}
-        params = old.params  # (a clone's source is the parameter, or its copy on a device)
-        self.writes.clones = {
-            (j, slot[id(params[i])]): entry
-            for (j, i), entry in old.writes.clones.items()
-            if id(params[i]) in slot
-        }
-        for key, target in self.views.items():
-            before = old.views.get(key)
-            if before is not None:
-                target.frozen = {
-                    slot[id(source)]: (source, kept)
-                    for source, kept in before.frozen.values()
-                    if id(source) in slot
-                }
 
     # -- what changed ---------------------------------------------------------------------------
 
@@ -225,7 +211,8 @@ class Replicas(TensorSync):
         """
         snapshot = self.snapshot
         if snapshot is not None and snapshot.same() and self.rebinding.same():
-            return self._refresh(root)
+            self._refresh(root)
+            return self._roots(root)
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
             return None
@@ -239,6 +226,24 @@ class Replicas(TensorSync):
             replicas = self._sync(root, self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
+
+    def kept(self, root: nn.Module) -> Kept | None:
+        """:meth:`current_replicas` for an owner holding ``root``, with their serial mark and
+        ``syncbn``: one answer, kept from one sync to the next (only a fill marks them), read
+        as it is while nothing is written. ``None`` when the structure changed."""
+        snapshot, rebinding = self.warm, self.rebinding
+        if snapshot is not None and snapshot.same() and (not rebinding.watched or rebinding.same()):
+            if self.slotted:  # (``_refresh``, inlined)
+                self._copy_slots(root)
+            if self.copies or self.writes.arm():
+                self._resync(root)
+            return self.answer
+        replicas = self.current_replicas(root)
+        if replicas is None:
+            return None
+        self.answer = (replicas, serial_mark(replicas), self.syncbn)
+        self.warm = self.snapshot
+        return self.answer
 
     def sync_once(self, root: nn.Module) -> list[nn.Module]:
         """The first sync of a new set, with no snapshot kept (``fresh_replicate``)."""
@@ -267,14 +272,15 @@ class Replicas(TensorSync):
         self._sync_buffers(buffers)
         self.current = buffers
         self._fill(root, buffers, only)
-        self._copy_slots(root)
-        self.fills += 1
+        if self.slotted:
+            self._copy_slots(root)
+        self.fills, self.warm = self.fills + 1, None  # (a fill may mark them: ``kept``)
         for replica in self.replicas:
             replica.params_in = replica.buffers_in = None
         self._install(root, per_device)
         return self._roots(root)
 
-    def _refresh(self, root: nn.Module) -> list[nn.Module]:
+    def _refresh(self, root: nn.Module) -> None:
         """``_sync`` for a module not written since the last call (the snapshot says so).
 
         Only what changes without a write is brought in line: parameter copies on other
@@ -283,19 +289,20 @@ class Replicas(TensorSync):
         without buffers) has nothing of the kind: its replicas were installed with the
         parameters themselves, which a write past the snapshot's notice cannot replace.
         """
-        self._copy_slots(root)
-        if not self.targets and not self.buffers and not self.writes.arm(self.params):
-            return self._roots(root)
+        if self.slotted:
+            self._copy_slots(root)
+        if self.copies or self.writes.arm():
+            self._resync(root)
+
+    def _resync(self, root: nn.Module) -> None:
+        """``_refresh``'s tensors: parameter copies, private buffer copies, clones."""
         per_device = self.writes.private(self._sync_params())
         self._sync_buffers(self.current)
         self._install(root, per_device)
-        return self._roots(root)
 
     def _copy_slots(self, root: nn.Module) -> None:
         """Each slotted module's slot values, as they are now, on its replicas (an unset slot
-        unset there too)."""
-        if not self.slotted:
-            return
+        unset there too); called where ``slotted`` is not empty."""
         modules = self.modules(root)
         for i, names in self.slotted:
             source = modules[i]

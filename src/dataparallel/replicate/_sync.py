@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dataparallel.replicate._records import NOT_YET, Key, Ready, Replica, Source, Target
-from dataparallel.replicate._written import resync
+from dataparallel.replicate._written import ForwardWrites, resync
 
 __all__ = ["TensorSync"]
 
@@ -57,6 +57,32 @@ class TensorSync:
     by_source: dict[Key, list[int]]
     with_buffers: list[Source]
     ready: Ready | None
+    writes: ForwardWrites
+
+    def adopt(self, old: TensorSync) -> None:
+        """Take over the copies of frozen parameters that ``old``, the set this one replaces
+        (same module, same devices), gave its replicas: the same tensor objects, re-synced at
+        the next call, so a graph an earlier call saved one in reads what later calls write
+        into it, as on one device (``_written.resync``). A spectral norm whose forward
+        assigns ``u.data`` gives its parameter a new address on every call, which rebuilds
+        the set (``structure_key``) each time."""
+        if len(old.replicas) != len(self.replicas):
+            return
+        slot = {id(p): i for i, p in enumerate(self.params)}
+        params = old.params  # (a clone's source is the parameter, or its copy on a device)
+        self.writes.clones = {
+            (j, slot[id(params[i])]): entry
+            for (j, i), entry in old.writes.clones.items()
+            if id(params[i]) in slot
+        }
+        for key, target in self.views.items():
+            before = old.views.get(key)
+            if before is not None:
+                target.frozen = {
+                    slot[id(source)]: (source, kept)
+                    for source, kept in before.frozen.values()
+                    if id(source) in slot
+                }
 
     # -- parameters -------------------------------------------------------------------------
 

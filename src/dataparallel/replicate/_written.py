@@ -56,41 +56,40 @@ class ForwardWrites:
     """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
     keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("before", "clones", "guard", "of", "shared", "tensors")
+    __slots__ = ("before", "clones", "guard", "params", "shared", "tensors")
 
-    def __init__(self) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = params  # the replica set's parameters (a list fixed with the set)
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
         # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
         self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
         # Their versions, then their data addresses, at the sync (``_marks``).
         self.before: list[int | None] = []
-        # ``arm``'s shared tensors, and the parameter list they were taken from (a replica
-        # set's, fixed when it is built): read once, not per call.
-        self.of: Sequence[torch.Tensor] | None = None
+        # The parameters at the shared slots, read at the first sync (``arm``'s, for replicas
+        # that use the parameters themselves: no copy on any device).
         self.tensors: list[torch.Tensor] = []
 
-    def arm(self, params: Sequence[torch.Tensor]) -> bool:
-        """For replicas that share ``params`` themselves (no copy on any device): guard the
-        trainable shared ones for this call; whether some shared one needs clones (or the
+    def arm(self) -> bool:
+        """For replicas that share the parameters themselves (no copy on any device): guard
+        the trainable shared ones for this call; whether some shared one needs clones (or the
         replicas hold clones of parameters that are trainable now: they get the parameters
         themselves again)."""
-        shared = self.shared
-        if not shared:
+        tensors = self.tensors
+        if not tensors:
             self.guard = []
             return False
-        if self.of is not params:
-            self.of, self.tensors = params, [params[i] for i in shared]
-        tensors = self.tensors
         # (``requires_grad`` is read on every call: it changes without any write we could see)
-        guard = (
-            tensors
-            if all(map(_REQUIRES_GRAD, tensors))
-            else [t for t in tensors if t.requires_grad]
-        )
-        self.guard = guard
+        if all(map(_REQUIRES_GRAD, tensors)):
+            self.guard = tensors
+            try:
+                self.before = [*map(_VERSION_OF, tensors), *map(_PTR, tensors)]
+            except RuntimeError:
+                self.before = _marks(tensors)
+            return bool(self.clones)
+        guard = self.guard = [t for t in tensors if t.requires_grad]
         self.before = _marks(guard)
-        return len(guard) < len(shared) or bool(self.clones)
+        return True  # (some shared one does not require grad: it needs clones)
 
     def private(self, per_device: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``per_device`` (each replica's parameter tensors, by slot) with copy-on-write clones
@@ -98,6 +97,7 @@ class ForwardWrites:
         the shared ones that do guarded for this call."""
         if self.shared is None:
             self.shared = _shared_slots(per_device)
+            self.tensors = [self.params[i] for i in self.shared]
         shared = self.shared
         if not shared:
             self.guard = []
@@ -136,14 +136,10 @@ class ForwardWrites:
         self.clones = kept
         return out
 
-    def check(self, replica: Any) -> None:
-        """Refuse a call whose forward wrote a trainable parameter its replicas share."""
-        guard = self.guard
-        if not guard:
-            return
-        now, before = _marks(guard), self.before
-        if now == before:
-            return
+    def refuse(self, replica: Any, now: list[int | None]) -> None:
+        """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
+        the guard's marks after the replicas ran, differ from those taken before."""
+        guard, before = self.guard, self.before
         n = len(guard)
         written = [
             t for i, t in enumerate(guard) if now[i] != before[i] or now[n + i] != before[n + i]
@@ -162,14 +158,24 @@ class ForwardWrites:
         )
 
 
+_NO_MARKS: dict[str, Any] = {}  # (read only: an object without a ``__dict__``)
+
+
 def check_writes(replicas: Sequence[Any]) -> None:
     """After the replicas of one call ran: refuse the call if forward wrote a trainable
-    parameter the replicas share (``ForwardWrites.check``)."""
-    if len(replicas) < 2:
-        return
-    writes = getattr(replicas[1], "__dict__", {}).get(WRITES)
-    if writes is not None and writes.guard:
-        writes.check(replicas[0])
+    parameter the replicas share (their versions or data addresses moved since ``arm`` or
+    ``private`` took them; ``ForwardWrites.refuse``)."""
+    if len(replicas) > 1:
+        writes = getattr(replicas[1], "__dict__", _NO_MARKS).get(WRITES)
+        if writes is not None:
+            guard = writes.guard
+            if guard:
+                try:
+                    now = [*map(_VERSION_OF, guard), *map(_PTR, guard)]
+                except RuntimeError:
+                    now = _marks(guard)
+                if now != writes.before:
+                    writes.refuse(replicas[0], now)
 
 
 def _marks(tensors: list[torch.Tensor]) -> list[int | None]:

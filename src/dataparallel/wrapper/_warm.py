@@ -165,11 +165,14 @@ def warm_call(
         args, kws = mark_inputs(args, kws)
     devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
-    replicas = None if sets is None else sets.kept(module, step.resolved)
-    if replicas is None:  # the first call, or a new structure: built as always
+    kept = None if sets is None else sets.kept(module, step.resolved)
+    if kept is None:  # the first call, or a new structure: built as always
         replicas = replicate_wave(w, devices, False, steps)
-    serial = serial_mark(replicas)
-    sync = sync_call(state, replicas, devices)
+        serial = serial_mark(replicas)
+        sync = sync_call(state, replicas, devices)
+    else:  # (their marks as the last sync left them; a rendezvous made on every call)
+        replicas, serial, syncbn = kept
+        sync = sync_call(state, replicas, devices) if syncbn else None
     if serial or sync is not None:
         timers: list[Any] = []
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
