@@ -43,7 +43,7 @@ SERIAL_TARGET = 2.0  # issue 43: serial Python before the hand-off within 2x the
 
 # (label, module, attribute path): the function that does each phase of a warm call.
 PHASES: tuple[tuple[str, str, str], ...] = (
-    ("plan (kept)", "dataparallel.wrapper._data_parallel", "DataParallel._plan"),
+    ("plan (kept)", "dataparallel.scatter._plans", "PlanCache.find"),
     ("scatter", "dataparallel.scatter._cuts", "WaveCut.__call__"),
     ("replicate check", "dataparallel.replicate", "ReplicaSets.kept"),
     ("hand-off, forwards, join", "dataparallel.parallel_apply._reuse", "_run_on_pool"),
