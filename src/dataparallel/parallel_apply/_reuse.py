@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from dataparallel.devices import device_type
 from dataparallel.parallel_apply import _pool
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
-from dataparallel.parallel_apply._pool import _local, _run_on_pool, workers
+from dataparallel.parallel_apply._pool import _local, workers
 from dataparallel.parallel_apply._task import _reraise, _Task
 from dataparallel.replicate import check_writes
 
@@ -105,6 +106,11 @@ def apply_kept(
         or _any_autocast()
     ):
         return apply_replicas(modules, inputs, kwargs_tup, kept.devices, timings)
+    # Only what decides the workers' tasks comes before the first put: these checks (a failed
+    # one sends every replica to ``apply_replicas``, so none may run before), the grad mode,
+    # replay and context the workers enter, and the queues. Replica 0 runs on this thread
+    # (its grad mode, replay and context are its own already): its task is touched only after
+    # the hand-off, and only when its forward fails (``_reraise`` names its inputs).
     grad = _grad_enabled()
     replay = _INFERENCE if _inference() else ()
     context = _copy_context()  # (true when it holds a variable: copied for every task then)
@@ -114,26 +120,47 @@ def apply_kept(
             _Task(m, a, k, d, grad, [], None, None, True)
             for m, a, k, d in zip(modules, inputs, kwargs_tup, kept.devices, strict=True)
         ]
-    # One pass refills every task (replica 0's runs on this thread, which reads none of its
-    # grad mode, replay and context: they are set only to keep to one pass).
-    for task, module, args, kwargs in zip(tasks, modules, inputs, kwargs_tup, strict=True):
-        task.module = module
-        task.args = args
-        task.kwargs = kwargs
-        task.grad = grad
-        task.replay = replay
-        task.finished = False  # (``cancelled`` is never set on a kept task: see below)
-        if context:  # one copy per task: a context is entered by one thread at once
-            task.context = context.copy()
     queues = kept.queues
     if kept.pid != _pool._pool_pid:  # (read from the module: a fork rebinds it)
         queues = kept.queues = workers(kept.devices, kept.worker_slots)
         kept.pid = _pool._pool_pid
-    kept.ready = False
+    each = zip(tasks, modules, inputs, kwargs_tup, strict=True)
+    first, module, args, kwargs = next(each)  # replica 0's
+    # ``_pool._run_on_pool`` and ``_task._execute_first`` for kept CPU tasks, in this frame
+    # (the same order, errors and interrupt handling; ``cancelled`` is never set on a kept task
+    # that is handed out: an interrupted hand-off drops them all).
+    submitted = 1
+    task: _Task  # (typed here: the loop below unpacks into its attributes)
     try:
-        _run_on_pool(tasks, kept.worker_slots, None, queues)
-    except BaseException:
-        kept.tasks = None  # interrupted (tasks cancelled): their locks are in an unknown state
+        for (task, task.module, task.args, task.kwargs), inbox in zip(each, queues, strict=True):
+            task.grad = grad
+            task.replay = replay
+            task.finished = False
+            if context:  # one copy per task: a context is entered by one thread at once
+                task.context = context.copy()
+            inbox.put(task)
+            submitted += 1
+        kept.ready = False  # (a forward that calls its own wrapper: before replica 0 runs)
+        result = None
+        start = perf_counter()
+        try:
+            result = module(*args, **kwargs)
+        except BaseException as exc:  # stored: every replica finishes before ``_reraise``
+            first.error = exc
+            first.args = args
+            first.kwargs = kwargs
+        first.span = perf_counter() - start
+        others = tasks[1:]
+        for task in others:
+            task.done.acquire()
+    except BaseException:  # interrupted: see ``_run_on_pool``
+        kept.tasks = None  # (tasks cancelled): their locks are in an unknown state
+        started = tasks[1:submitted]
+        for task in started:
+            task.cancelled = True
+        for task in started:
+            while not task.finished and not task.done.acquire(timeout=0.05):
+                pass
         raise
     finally:
         kept.ready = True
@@ -142,12 +169,14 @@ def apply_kept(
             _reraise(tasks)  # (which drops every task's error: nothing holds its traceback)
         timings += map(_span_of, tasks)  # CPU replicas: each span is its seconds, a float
         check_writes(modules)
-        return list(map(_result_of, tasks))
+        return [result, *map(_result_of, others)]
     finally:
-        for task in tasks:  # keep no batch, output or context alive between calls
+        for task in others:  # keep no batch, output or context alive between calls
             task.args = _NO_ARGS
             task.kwargs = _NO_KWARGS
             task.result = None
+        first.args = _NO_ARGS
+        first.kwargs = _NO_KWARGS
         if context:
             for task in tasks:
                 task.context = None
