@@ -68,7 +68,26 @@ class WarmStep:
         serial and with no SyncBatchNorm rendezvous: the kept tasks, then the gather."""
         timers: list[Any] = []
         outputs = apply_kept(self.tasks, replicas, args, kws, timers)
-        return self.finish(w, plan, module, replicas, outputs, args, kws, timers, steps)
+        # ``finish`` with ``record`` inlined, in this frame (the warm call's own path after the
+        # join: each frame costs there, with the caches cold after a backward).
+        if replicas[0] is not module:
+            copy_writes_back(replicas[0], module)
+        state = w.__dict__
+        devices, sizes = self.devices, self.sizes
+        load = new_load((devices, sizes, timers, 1))
+        calls = state.get("_calls")
+        if calls is None:
+            record(state, load)
+        else:
+            calls.last = load
+        if not w.gather_outputs:
+            return DeviceOutputs(outputs, devices, sizes)
+        if not state.get("output_rules"):  # (a wrapper unpickled from before has none)
+            out = concat_batched(outputs, w.output_device, w.dim, sizes)
+            if out is not None:
+                return out
+        origins = Origins(replicas, plan.program, args, kws)
+        return gather_all(w, outputs, devices, sizes, None, steps, None, origins, None)
 
     def finish(
         self,
