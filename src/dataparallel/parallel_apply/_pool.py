@@ -23,11 +23,12 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
 
-from dataparallel.parallel_apply._task import _execute, _execute_first, _Task
+from dataparallel.parallel_apply._task import _execute, _execute_first, _set_grad_enabled, _Task
 
 __all__ = ["THREAD_PREFIX"]
 
@@ -59,15 +60,27 @@ class _Worker:
 
     def _loop(self) -> None:
         _local.in_worker = True
+        get = self.tasks.get
         while True:
-            task = self.tasks.get()
+            task = get()
             try:
                 if task.cancelled:
                     pass
-                elif task.context is None:
-                    _execute(task)
-                else:
+                elif task.context is not None:
                     task.context.run(_execute, task)
+                elif task.stream is None and not task.autocast and not task.replay:
+                    # ``_execute``'s CPU branch, in this frame (a CPU replica without autocast:
+                    # only the grad mode to replay); the caller waits on this, once per call.
+                    start = perf_counter()
+                    try:
+                        _set_grad_enabled(task.grad)
+                        task.result = task.module(*task.args, **task.kwargs)
+                    except BaseException as exc:  # stored, never raised: the worker lives
+                        task.error = exc
+                    if task.sync:
+                        task.span = perf_counter() - start
+                else:
+                    _execute(task)
             finally:
                 task.finished = True
                 task.done.release()
