@@ -328,7 +328,7 @@ def concat_batched(
                 return None
         except IndexError:  # ``dim`` out of range for this output
             return None
-        if dim == 0 and len(shape) == 3 and shape[1] == size:
+        if len(shape) == 3 and dim == 0 and shape[1] == size:  # (most outputs: one test)
             return None  # an RNN state's shape too: gather's rule decides
         if not (v.is_cpu if cpu else v.device == target):
             moves = True

@@ -38,7 +38,11 @@ from dataparallel.replicate import check_writes
 
 __all__ = ["TaskSlots", "apply_kept"]
 
-_deterministic = torch.are_deterministic_algorithms_enabled
+# ``torch.are_deterministic_algorithms_enabled``'s C call itself (that function is a Python
+# frame around it, run on every warm call before the hand-off).
+_deterministic = getattr(
+    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
+)
 # Autocast on any device type sends the call to ``apply_replicas`` (one C call, no device name
 # to parse); a torch without it asks for the CPU's.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -135,7 +139,6 @@ def apply_kept(
         for (task, task.module, task.args, task.kwargs), inbox in zip(each, queues, strict=True):
             task.grad = grad
             task.replay = replay
-            task.finished = False
             if context:  # one copy per task: a context is entered by one thread at once
                 task.context = context.copy()
             inbox.put(task)
@@ -175,6 +178,9 @@ def apply_kept(
             task.args = _NO_ARGS
             task.kwargs = _NO_KWARGS
             task.result = None
+            # Ready for the next hand-off (reset here, after the join, not before the put: its
+            # worker has released the task and reads it no more).
+            task.finished = False
         first.args = _NO_ARGS
         first.kwargs = _NO_KWARGS
         if context:
