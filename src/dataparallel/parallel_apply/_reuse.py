@@ -5,8 +5,8 @@ state to choose how they run. A ``DataParallel`` call repeated with the same pla
 training step) runs the same replicas on the same devices each time; ``TaskSlots`` keeps its
 tasks, and ``apply_kept`` refills them with the call's modules, arguments and grad mode and
 hands them to the same workers. Each task's ``done`` lock is left taken by the caller's wait
-(``_pool._run_on_pool``), which is the state a new task starts in, so a kept task is ready again
-when the call returns.
+(in ``apply_kept``, as in ``_pool._run_on_pool``), which is the state a new task starts in, so a
+kept task is ready again when the call returns.
 
 Reuse is for the plain case only, checked on every call in a few C calls: replicas on CPU
 devices, none marked serial, no ``nn.SyncBatchNorm`` rendezvous, no autocast, no deterministic
