@@ -172,14 +172,24 @@ def _run_on_pool(
         for task in tasks[1:]:
             task.done.acquire()
     except BaseException as exc:
-        started = tasks[1:submitted]
-        for task in started:
-            task.cancelled = True
-        if release is not None:
-            release(exc)
-        for task in started:
-            # A task whose lock this thread took already is marked finished; an interrupt
-            # between the two lines finds the lock taken and ends on the worker's mark below.
-            while not task.finished and not task.done.acquire(timeout=0.05):
-                pass
+        interrupted(tasks[1:submitted], exc, release)
         raise
+
+
+def interrupted(
+    started: list[_Task],
+    exc: BaseException,
+    release: Callable[[BaseException], None] | None = None,
+) -> None:
+    """A hand-off interrupted (Ctrl-C) after ``started`` were given to their workers: skip
+    those no worker has begun, call ``release``, and wait for the running ones to finish their
+    chunk (``_run_on_pool`` says why)."""
+    for task in started:
+        task.cancelled = True
+    if release is not None:
+        release(exc)
+    for task in started:
+        # A task whose lock this thread took already is marked finished; an interrupt
+        # between the two lines finds the lock taken and ends on the worker's mark below.
+        while not task.finished and not task.done.acquire(timeout=0.05):
+            pass

@@ -32,7 +32,7 @@ from dataparallel.devices import device_type
 from dataparallel.parallel_apply import _pool
 from dataparallel.parallel_apply import _thread_state as thread_state
 from dataparallel.parallel_apply._apply import apply_replicas
-from dataparallel.parallel_apply._pool import _local, workers
+from dataparallel.parallel_apply._pool import _local, interrupted, workers
 from dataparallel.parallel_apply._task import _reraise, _Task
 from dataparallel.replicate import check_writes
 
@@ -156,14 +156,9 @@ def apply_kept(
         others = tasks[1:]
         for task in others:
             task.done.acquire()
-    except BaseException:  # interrupted: see ``_run_on_pool``
+    except BaseException as exc:  # interrupted: see ``_run_on_pool``
         kept.tasks = None  # (tasks cancelled): their locks are in an unknown state
-        started = tasks[1:submitted]
-        for task in started:
-            task.cancelled = True
-        for task in started:
-            while not task.finished and not task.done.acquire(timeout=0.05):
-                pass
+        interrupted(tasks[1:submitted], exc)
         raise
     finally:
         kept.ready = True
