@@ -51,7 +51,6 @@ from dataparallel.wrapper._placement import (
     check_on_device,
     copy_writes_back,
     run_here,
-    sentinels_hold,
 )
 from dataparallel.wrapper._results import DeviceOutputs, new_load, record
 from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicate_wave
@@ -175,17 +174,17 @@ def warm_call(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
     steps: Overrides,
+    marks: bool | None = None,
 ) -> Any:
     """``_pipeline``'s result for a call that its warm step serves: no step overridden, no
     count, no scalar weights, no compiled replicas, one wave of plain tensors. ``plan``: the
-    kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
+    kept template (the call's arguments are ``inputs`` and ``kwargs``); ``marks``: whether the
+    chunks are marked, where the caller read it (``marks_plain``'s answer), else ``None``."""
     state = w.__dict__
     args, kws = step.cut(plan, inputs, kwargs)
-    if kwargs or len(inputs) != 1:
-        marks = marks_plain(inputs, kwargs)  # a loss's terms are observed (gather._loss)
-    else:  # (one tensor, the common call: ``marks_plain``'s test, inline)
-        marks = inputs[0].dtype not in NO_TARGET and inputs[0].ndim > 0
-    if marks:
+    if marks is None:
+        marks = marks_plain(inputs, kwargs)
+    if marks:  # a loss's terms are observed (gather._loss)
         args, kws = mark_inputs(args, kws)
     devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
@@ -228,8 +227,18 @@ def run_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not lock.acquire(False):  # (not blocking)
         wait_for(lock)
     try:
-        if not sentinels_hold(state.get("_sentinels"), w.src_device_obj):
-            check_module_device(state, w.module, w.src_device_obj)  # in full
+        try:  # the module's place: ``_placement.sentinels_hold``'s test, inline (no frame)
+            ref, table, name, last_ref, last_table, last_name = state["_sentinels"]
+            first = getattr(ref(), table)[name]
+            last = getattr(last_ref(), last_table)[last_name]
+            device = w.src_device_obj  # (``is_cpu`` is a flag; ``device`` a new object)
+            held = (first.is_cpu and last.is_cpu and device == _CPU) or (
+                first.device == device and last.device == device
+            )
+        except (TypeError, ValueError, AttributeError, KeyError):
+            held = False  # no sentinels yet, none (no tensor), a freed module or tensor, ...
+        if not held:  # the full check (which answers the cases above that are not misplaced)
+            check_module_device(state, w.module, w.src_device_obj)
         try:
             if kwargs or len(inputs) != 1 or type(a := inputs[0]) is not _Tensor:
                 # (one plain tensor, the common call, is never marked)
@@ -256,11 +265,13 @@ def run_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     )
                 except RuntimeError:  # a nested tensor has no shape to read: the rules name it
                     key = None
-                last = plans.warm
-                if last is not None and last[0] == key:  # (compared in C)
-                    return warm_call(w, last[2], last[1], module, inputs, kwargs, last[3])
+                kept, step, plan, steps = plans.warm
+                if kept == key:  # (compared in C)
+                    # (``marks_plain``'s test for one tensor, inline)
+                    marks = a.dtype not in NO_TARGET and a.ndim > 0
+                    return warm_call(w, step, plan, module, inputs, kwargs, steps, marks)
             # _pipeline's start, here: most loops' calls are served by a kept plan's step
-            steps: Overrides = state.get("_steps") or w._find_overrides()
+            steps = state.get("_steps") or w._find_overrides()
             found = plans.find(inputs, kwargs, w.device_ids, w.dim, w.options)
             if found.warnings:
                 w._warn_once(found)
@@ -269,7 +280,7 @@ def run_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return w._pipeline(inputs, kwargs, None, found)
             given = plans.last[0]  # (options, dim, devices) as copies, or None: not kept
             if key is not None and given is not None and not found.warnings:
-                plans.warm = ((*given, steps, *key[4:]), found, warm, steps)
+                plans.warm = ((*given, steps, *key[4:]), warm, found, steps)
             # a kept plan's call, which a loop repeats: one cached step
             return warm_call(w, warm, found, module, inputs, kwargs, steps)
         except RuntimeError:
@@ -281,5 +292,6 @@ def run_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 _compiling = torch.compiler.is_compiling  # (dynamo knows the function, by whatever name)
 _Tensor = torch.Tensor
+_CPU = torch.device("cpu")
 
 _NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="
