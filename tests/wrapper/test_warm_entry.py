@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -74,3 +75,13 @@ def test_an_own_replicate_set_later_is_seen_by_the_next_call() -> None:
     w.replicate = replicate  # type: ignore[method-assign]
     assert_close_rel(w(x), m(x))
     assert calls
+
+
+def test_a_tensor_replaced_off_the_device_between_warm_calls_is_named() -> None:
+    """The sentinels, read inline by the warm entry, see the module's last tensor replaced."""
+    m, w, x = warm_wrapper()
+    m[2].weight = nn.Parameter(torch.empty(3, 6, device="meta"))
+    with pytest.raises(RuntimeError, match=r"'2\.weight' on the meta device"):
+        w(x)
+    m[2].weight = nn.Parameter(torch.zeros(3, 6))
+    assert_close_rel(w(x), m(x))
