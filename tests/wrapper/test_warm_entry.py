@@ -78,10 +78,16 @@ def test_an_own_replicate_set_later_is_seen_by_the_next_call() -> None:
 
 
 def test_a_tensor_replaced_off_the_device_between_warm_calls_is_named() -> None:
-    """The sentinels, read inline by the warm entry, see the module's last tensor replaced."""
-    m, w, x = warm_wrapper()
-    m[2].weight = nn.Parameter(torch.empty(3, 6, device="meta"))
-    with pytest.raises(RuntimeError, match=r"'2\.weight' on the meta device"):
+    """The sentinels, read inline by the warm entry, see the module's last tensor (a buffer
+    forward does not read, so nothing else would) replaced by one on another device."""
+    m = nn.Sequential(nn.Linear(4, 3))
+    m[0].register_buffer("scale", torch.ones(3))  # the last tensor: a sentinel
+    w = dp.DataParallel(m, device_ids=["cpu", "cpu"])
+    x = torch.randn(8, 4)
+    for _ in range(3):
         w(x)
-    m[2].weight = nn.Parameter(torch.zeros(3, 6))
+    m[0].scale = torch.ones(3, device="meta")
+    with pytest.raises(RuntimeError, match=r"'0\.scale' on the meta device"):
+        w(x)
+    m[0].scale = torch.ones(3)
     assert_close_rel(w(x), m(x))
