@@ -298,8 +298,8 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         method: str | None = None,
         found: Plan | None = None,
     ) -> Any:
-        """The call from the plan on; ``found``: its plan, where ``_run`` found it and its warm
-        step could not serve it."""
+        """The call from the plan on; ``found``: its plan, where ``_warm.run_call`` found it and
+        its warm step could not serve it."""
         state = self.__dict__
         steps: Overrides = state.get("_steps") or self._find_overrides()
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
