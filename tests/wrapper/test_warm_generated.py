@@ -40,6 +40,7 @@ from torch import nn
 
 import dataparallel as dp
 import dataparallel.wrapper._data_parallel as dp_wrapper
+import dataparallel.wrapper._warm as warm_module
 from _close import assert_close_rel
 
 FEATURES, HIDDEN, OUT = 4, 6, 3
@@ -183,8 +184,8 @@ def grad_mode(mode: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def count_warm() -> Iterator[list[int]]:
-    """Count the calls the warm path serves: those ``DataParallel._pipeline`` hands to
-    ``warm_call``."""
+    """Count the calls the warm path serves: those the call's entry (``_warm.run_call``) or
+    ``DataParallel._pipeline`` hands to ``warm_call``."""
     count = [0]
     real = dp_wrapper.warm_call
 
@@ -192,7 +193,10 @@ def count_warm() -> Iterator[list[int]]:
         count[0] += 1
         return real(*args, **kwargs)
 
-    with mock.patch.object(dp_wrapper, "warm_call", spy):
+    with (
+        mock.patch.object(dp_wrapper, "warm_call", spy),
+        mock.patch.object(warm_module, "warm_call", spy),
+    ):
         yield count
 
 

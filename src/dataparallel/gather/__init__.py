@@ -22,6 +22,7 @@ from dataparallel.gather._gather import (
 )
 from dataparallel.gather._loss import (
     COUNT_KEYWORD,
+    NO_TARGET,
     Record,
     ScalarWeights,
     SumAndCount,
@@ -41,6 +42,7 @@ from dataparallel.gather._output_rules import check_output_rules
 
 __all__ = [
     "COUNT_KEYWORD",
+    "NO_TARGET",
     "Origins",
     "Record",
     "ScalarMode",

@@ -228,10 +228,14 @@ class PlanCache:
     (nothing kept is changed).
     """
 
-    __slots__ = ("last", "plans")
+    __slots__ = ("last", "plans", "warm")
 
     def __init__(self) -> None:
         self.plans: list[tuple[tuple[Any, ...], Plan]] = []
+        # The wrapper's last warm call: (its key, its warm step, its kept plan, its steps);
+        # ``()`` for the key before one (equal to no call's) (``dataparallel.wrapper._warm``
+        # ``run_call``). Replaced whole.
+        self.warm: tuple[Any, Any, Any, Any] = ((), None, None, None)
         # The last call's (options, dim, devices) as given (copies), and what a key holds of
         # them besides the signature (``None``: options not cached), and whether the devices are
         # one. While every option is an immutable value (None, a bool, an int, a dtype: no list

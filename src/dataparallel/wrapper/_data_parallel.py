@@ -28,9 +28,8 @@ from dataparallel.gather import (
     chunk_weights,
     gather,
     mark_inputs,
-    unmark_inputs,
 )
-from dataparallel.parallel_apply import parallel_apply, wait_for
+from dataparallel.parallel_apply import parallel_apply
 from dataparallel.plan import Plan, build_plan
 from dataparallel.replicate import (
     ReplicaSets,
@@ -41,7 +40,6 @@ from dataparallel.replicate import (
 from dataparallel.scatter import take
 from dataparallel.wrapper._check_option import check_option
 from dataparallel.wrapper._explain import explain_call
-from dataparallel.wrapper._one_device import checked_call
 from dataparallel.wrapper._options import (
     check_dim,
     check_module,
@@ -56,9 +54,6 @@ from dataparallel.wrapper._partial_sums import (
 from dataparallel.wrapper._peft_class import class_for
 from dataparallel.wrapper._placement import (
     check_module_device,
-    check_on_device,
-    run_here,
-    sentinels_hold,
 )
 from dataparallel.wrapper._read_through import ModuleNames
 from dataparallel.wrapper._results import CallStats, DeviceOutputs, LastCall, Load, record
@@ -66,7 +61,7 @@ from dataparallel.wrapper._runtime import CallState
 from dataparallel.wrapper._saving import peft_load_state_dict, peft_state_dict
 from dataparallel.wrapper._signature import PresentedForward, PresentedSignature
 from dataparallel.wrapper._steps import StepMethod
-from dataparallel.wrapper._warm import warm_call, warm_step
+from dataparallel.wrapper._warm import run_call, warm_call, warm_step
 from dataparallel.wrapper._waves import (
     Overrides,
     apply_wave,
@@ -280,45 +275,6 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         """
         return _RUN(self, inputs, kwargs)
 
-    def _run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``forward``'s body, with its arguments as they came (no repacking)."""
-        if _compiling():
-            # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
-            # threads and locks), with a warning naming compile=.
-            return torch.compiler.disable(self._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
-        state = self.__dict__
-        if "_is_replica" in state:  # a copy in another wrapper's replica
-            run_here(state, cast(nn.Module, self._modules["module"]), inputs, kwargs)
-        lock = state.get("_lock") or self._call_lock()
-        if not lock.acquire(False):  # (not blocking)
-            wait_for(lock)
-        try:
-            if not sentinels_hold(state.get("_sentinels"), self.src_device_obj):
-                check_module_device(state, self.module, self.src_device_obj)  # in full
-            try:
-                if kwargs or len(inputs) != 1 or type(inputs[0]) is not _Tensor:
-                    # (one plain tensor, the common call, is never marked)
-                    inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
-                if state.get("check_mode") is not None:
-                    return checked_call(self, inputs, kwargs)  # check= (``_one_device``)
-                # _pipeline's start, here: most loops' calls are served by a kept plan's step
-                steps: Overrides = state.get("_steps") or self._find_overrides()
-                found = (state.get("_plans") or self._plan_cache()).find(
-                    inputs, kwargs, self.device_ids, self.dim, self.options
-                )
-                if found.warnings:
-                    self._warn_once(found)
-                module: nn.Module = self._modules["module"]  # type: ignore[assignment]
-                warm = warm_step(self, found, steps, module, inputs, kwargs)
-                if warm is not None:  # a kept plan's call, which a loop repeats: one cached step
-                    return warm_call(self, warm, found, module, inputs, kwargs, steps)
-                return self._pipeline(inputs, kwargs, None, found)
-            except RuntimeError:
-                check_on_device(self.module, self.src_device_obj)  # clearer, if one is misplaced
-                raise
-        finally:
-            lock.release()
-
     # mmcv's and mmengine's step methods, where the module has them (dataparallel.wrapper._steps)
     train_step = StepMethod()
     val_step = StepMethod()
@@ -342,8 +298,8 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         method: str | None = None,
         found: Plan | None = None,
     ) -> Any:
-        """The call from the plan on; ``found``: its plan, where ``_run`` found it and its warm
-        step could not serve it."""
+        """The call from the plan on; ``found``: its plan, where ``_warm.run_call`` found it and
+        its warm step could not serve it."""
         state = self.__dict__
         steps: Overrides = state.get("_steps") or self._find_overrides()
         module: nn.Module = self._modules["module"]  # type: ignore[assignment]
@@ -491,9 +447,5 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
                 warn_user(message)
 
 
-_RUN = DataParallel._run  # forward's body, where a subclass cannot shadow it
+_RUN = run_call  # forward's body (``_warm``), where a subclass cannot shadow it
 _tracing = torch._C._get_tracing_state
-_compiling = torch.compiler.is_compiling  # (dynamo knows the function, by whatever name)
-_Tensor = torch.Tensor
-
-_NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

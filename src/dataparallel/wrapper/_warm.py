@@ -26,17 +26,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.gather import Origins, concat_batched, mark_inputs, marks_plain
-from dataparallel.parallel_apply import TaskSlots, apply_kept, apply_replicas, sync_call
+from dataparallel.gather import (
+    NO_TARGET,
+    Origins,
+    concat_batched,
+    mark_inputs,
+    marks_plain,
+    unmark_inputs,
+)
+from dataparallel.parallel_apply import (
+    TaskSlots,
+    apply_kept,
+    apply_replicas,
+    sync_call,
+    wait_for,
+)
 from dataparallel.plan import Plan
 from dataparallel.replicate import ReplicaSets, serial_mark
 from dataparallel.scatter import WaveCut
+from dataparallel.wrapper._one_device import checked_call
 from dataparallel.wrapper._partial_sums import find_count
-from dataparallel.wrapper._placement import copy_writes_back
+from dataparallel.wrapper._placement import (
+    check_module_device,
+    check_on_device,
+    copy_writes_back,
+    run_here,
+)
 from dataparallel.wrapper._results import DeviceOutputs, new_load, record
 from dataparallel.wrapper._waves import Overrides, Wrapper, gather_all, replicate_wave
 
-__all__ = ["WarmStep", "warm_call", "warm_step"]
+__all__ = ["WarmStep", "run_call", "warm_call", "warm_step"]
 
 _WARM = "warm"  # the memo's key of the step
 _PLAIN = "plain"  # ... and of a forward that takes no count from its calls (``warm_step``)
@@ -174,13 +193,17 @@ def warm_call(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any],
     steps: Overrides,
+    marks: bool | None = None,
 ) -> Any:
     """``_pipeline``'s result for a call that its warm step serves: no step overridden, no
     count, no scalar weights, no compiled replicas, one wave of plain tensors. ``plan``: the
-    kept template (the call's arguments are ``inputs`` and ``kwargs``)."""
+    kept template (the call's arguments are ``inputs`` and ``kwargs``); ``marks``: whether the
+    chunks are marked, where the caller read it (``marks_plain``'s answer), else ``None``."""
     state = w.__dict__
     args, kws = step.cut(plan, inputs, kwargs)
-    if marks_plain(inputs, kwargs):  # a loss's terms are observed (gather._loss)
+    if marks is None:
+        marks = marks_plain(inputs, kwargs)
+    if marks:  # a loss's terms are observed (gather._loss)
         args, kws = mark_inputs(args, kws)
     devices = step.devices
     sets: ReplicaSets | None = state.get("_replica_sets")
@@ -197,3 +220,97 @@ def warm_call(
         outputs = apply_replicas(replicas, args, kws, devices, timers, sync, serial)
         return step.finish(w, plan, module, replicas, outputs, args, kws, timers, steps)
     return step.run(w, plan, module, replicas, args, kws, steps)
+
+
+def run_call(w: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``DataParallel.forward``'s body, with its arguments as they came (no repacking).
+    (``w`` is typed loosely: this module imports nothing of the class's.)
+
+    The call a loop repeats, one plain tensor with everything as at the last call, is served
+    from the wrapper's last warm call (``PlanCache.warm``): one comparison of the call's key
+    stands for the plan's look-up (``PlanCache.find``) and ``warm_step``'s checks. The key holds
+    everything either reads: the plan options, dim and devices (as copies, kept only while every
+    option is an immutable value, as ``find`` keeps them), the overridden steps, the scalar
+    weights, the compile options, an own ``replicate``, ``module.forward`` (a bound method
+    compares equal only for the same module and function) and the tensor's shape and layout
+    (the plan's key for it). Any of them changed: the key differs and the call takes the full
+    look-up, which keeps its new warm call."""
+    if _compiling():
+        # torch.compile(wrapper): the pipeline runs outside dynamo (which cannot trace its
+        # threads and locks), with a warning naming compile=.
+        return torch.compiler.disable(w._eager_forward, reason=_NOT_TRACED)(inputs, kwargs)
+    state = w.__dict__
+    if "_is_replica" in state:  # a copy in another wrapper's replica
+        run_here(state, w._modules["module"], inputs, kwargs)
+    lock = state.get("_lock") or w._call_lock()
+    if not lock.acquire(False):  # (not blocking)
+        wait_for(lock)
+    try:
+        try:  # the module's place: ``_placement.sentinels_hold``'s test, inline (no frame)
+            ref, table, name, last_ref, last_table, last_name = state["_sentinels"]
+            first = getattr(ref(), table)[name]
+            last = getattr(last_ref(), last_table)[last_name]
+            device = w.src_device_obj  # (``is_cpu`` is a flag; ``device`` a new object)
+            held = (first.is_cpu and last.is_cpu and device == _CPU) or (
+                first.device == device and last.device == device
+            )
+        except (TypeError, ValueError, AttributeError, KeyError):
+            held = False  # no sentinels yet, none (no tensor), a freed module or tensor, ...
+        if not held:  # the full check (which answers the cases above that are not misplaced)
+            check_module_device(state, w.module, w.src_device_obj)
+        try:
+            if kwargs or len(inputs) != 1 or type(a := inputs[0]) is not _Tensor:
+                # (one plain tensor, the common call, is never marked)
+                inputs, kwargs = unmark_inputs(inputs, kwargs)  # a Target of an earlier call
+                a = None
+            if state.get("check_mode") is not None:
+                return checked_call(w, inputs, kwargs)  # check= (``_one_device``)
+            module: nn.Module = w._modules["module"]
+            plans = state.get("_plans") or w._plan_cache()
+            key = None
+            if a is not None:
+                try:
+                    key = (
+                        w.options,
+                        w.dim,
+                        w.device_ids,
+                        state.get("_steps"),
+                        w.scalar_weights,
+                        state.get("compile_options"),
+                        "replicate" in state,
+                        module.forward,
+                        a.shape,
+                        a.layout,
+                    )
+                except RuntimeError:  # a nested tensor has no shape to read: the rules name it
+                    key = None
+                kept, step, plan, steps = plans.warm
+                if kept == key:  # (compared in C)
+                    # (``marks_plain``'s test for one tensor, inline)
+                    marks = a.dtype not in NO_TARGET and a.ndim > 0
+                    return warm_call(w, step, plan, module, inputs, kwargs, steps, marks)
+            # _pipeline's start, here: most loops' calls are served by a kept plan's step
+            steps = state.get("_steps") or w._find_overrides()
+            found = plans.find(inputs, kwargs, w.device_ids, w.dim, w.options)
+            if found.warnings:
+                w._warn_once(found)
+            warm = warm_step(w, found, steps, module, inputs, kwargs)
+            if warm is None:
+                return w._pipeline(inputs, kwargs, None, found)
+            given = plans.last[0]  # (options, dim, devices) as copies, or None: not kept
+            if key is not None and given is not None and not found.warnings:
+                plans.warm = ((*given, steps, *key[4:]), warm, found, steps)
+            # a kept plan's call, which a loop repeats: one cached step
+            return warm_call(w, warm, found, module, inputs, kwargs, steps)
+        except RuntimeError:
+            check_on_device(w.module, w.src_device_obj)  # clearer, if one is misplaced
+            raise
+    finally:
+        lock.release()
+
+
+_compiling = torch.compiler.is_compiling  # (dynamo knows the function, by whatever name)
+_Tensor = torch.Tensor
+_CPU = torch.device("cpu")
+
+_NOT_TRACED = "dataparallel: the wrapper's scatter, threads and gather run eagerly; compile="

@@ -9,6 +9,7 @@ for those marks and for ``DataParallelCriterion``.
 
 from __future__ import annotations
 
+from dataparallel.gather._loss._inputs import _NO_TARGET as NO_TARGET
 from dataparallel.gather._loss._inputs import mark_inputs, marks_plain, unmark_inputs
 from dataparallel.gather._loss._marks import COUNT_KEYWORD, Record, is_marked, unmark
 from dataparallel.gather._loss._reductions import (
@@ -30,6 +31,7 @@ from dataparallel.gather._loss._rule import (
 
 __all__ = [
     "COUNT_KEYWORD",
+    "NO_TARGET",
     "Record",
     "ScalarWeights",
     "SumAndCount",
