@@ -11,7 +11,9 @@ Two passes per model and mode, each interleaved with the floor, the collector of
 - **totals**: only the call and the hand-off are wrapped, so the serial Python before the
   hand-off (from the call's entry to the first task handed to a worker) and after the join
   (from the last replica's end to the call's return) are timed with the least disturbance;
-- **phases**: every step wrapped (plan, scatter, replicate check, hand-off, gather, record);
+- **phases**: every step wrapped (scatter, replicate check, hand-off, gather; the kept plan's
+  comparison and the record are inline in the warm call, ``wrapper._warm``, and count in the
+  serial parts);
   the wrappers add a few tenths of a µs each, so these rows sum to a little more than the
   totals.
 
@@ -43,15 +45,13 @@ SERIAL_TARGET = 2.0  # issue 43: serial Python before the hand-off within 2x the
 
 # (label, module, attribute path): the function that does each phase of a warm call.
 PHASES: tuple[tuple[str, str, str], ...] = (
-    ("plan (kept)", "dataparallel.scatter._plans", "PlanCache.find"),
     ("scatter", "dataparallel.scatter._cuts", "WaveCut.__call__"),
     ("replicate check", "dataparallel.replicate", "ReplicaSets.kept"),
-    ("hand-off, forwards, join", "dataparallel.parallel_apply._reuse", "_run_on_pool"),
+    ("hand-off, forwards, join", "dataparallel.wrapper._warm", "apply_kept"),
     ("gather", "dataparallel.wrapper._warm", "concat_batched"),
-    ("record", "dataparallel.wrapper._warm", "record"),
 )
 _CALL = ("call", "dataparallel.wrapper._data_parallel", "DataParallel.__call__")
-_HANDOFF = PHASES[3]
+_HANDOFF = PHASES[2]
 
 _ns = time.perf_counter_ns
 
