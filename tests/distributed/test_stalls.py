@@ -182,14 +182,26 @@ def test_a_slow_worker_of_three_is_said_once() -> None:
         "sys.exit(launch(sys.argv[1:], 3, module='tests.distributed._slow_worker'))"
     )
     args = ["train", "--strategy", "ddp", "--data", "random", "--devices", "cpu", "--epochs", "1"]
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args, "--no-progress"],
-        cwd=REPO,
-        env=child_env(DATAPARALLEL_DIST_TIMEOUT="3"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", script, *args, "--no-progress"],
+            cwd=REPO,
+            env=child_env(DATAPARALLEL_DIST_TIMEOUT="3"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    done = run()
+    if done.stderr.count("\n") > 1 and "recvValue failed" in done.stderr:
+        # One race is left, which no Python code closes: a beat sent after the heartbeat read
+        # the store's host as alive, answered by no one because that host was tearing down
+        # (a loaded machine's teardown takes long enough to meet a beat; torch's client logs
+        # the reset with C++ frames). Seen twice in CI-like runs on a slow day; a heartbeat
+        # that beats on into an ended store (the regression this test guards) logs on every
+        # run, so it fails the second run too.
+        done = run()
     assert done.returncode == 5, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert re.match(
