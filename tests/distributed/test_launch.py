@@ -195,6 +195,53 @@ def test_an_error_on_one_node_only_is_said_once_by_its_rank(tmp_path: Path) -> N
     assert "Traceback" not in text and "resumed from" not in text, text
 
 
+@pytest.mark.timeout(60)
+def test_a_node_whose_rendezvous_store_is_gone_hears_of_no_node_waiting() -> None:
+    # On several nodes the store lives in one node's agent, which leaves when its workers end.
+    # The other agents ask it between two looks at their workers; that question used to raise
+    # out of the agent (a traceback and exit 1 on that node, not its worker's own code).
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+        registry,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from dataparallel.app.launch import _register_rendezvous
+
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+            "print(s.port, flush=True)\ntime.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        params = RendezvousParameters(
+            backend=_register_rendezvous(),
+            endpoint=f"127.0.0.1:{port}",
+            run_id="store-gone",
+            min_nodes=2,
+            max_nodes=2,
+            is_host=False,
+        )
+        handler = registry.get_rendezvous_handler(params)
+        assert handler.num_nodes_waiting() == 0
+    finally:
+        host.kill()
+        host.wait()
+    time.sleep(1.5)  # the handler answers from its last read for 1 s (torch's cache_duration)
+    assert handler.num_nodes_waiting() == 0
+    with pytest.raises(RendezvousConnectionError):  # torch's own answer, which the agent raised
+        DynamicRendezvousHandler.num_nodes_waiting(handler)
+
+
 def _process_tree(pid: int) -> list[int]:
     found = [pid]
     for task in Path(f"/proc/{pid}/task").glob("*"):

@@ -13,6 +13,7 @@ second of the launcher's death, even a ``SIGKILL`` that gives the launcher no ch
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -20,6 +21,10 @@ import sys
 import threading
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -145,7 +150,7 @@ def launch(
         nproc_per_node=nproc_per_node,
         run_id=rdzv_id or f"dataparallel-{uuid.uuid4().hex[:12]}",
         rdzv_endpoint=endpoint,
-        rdzv_backend="c10d",
+        rdzv_backend=_register_rendezvous(),
         max_restarts=max_restarts,
         monitor_interval=0.1,
         local_addr="127.0.0.1" if local else None,
@@ -186,6 +191,57 @@ def launch(
         if rendezvous_store is not None:
             rendezvous_store[0].close()
     return 0
+
+
+def _register_rendezvous() -> str:
+    """Register torch's c10d rendezvous with one answer changed; its backend name.
+
+    Between two looks at its workers, the agent asks the rendezvous store whether a node waits
+    to join. On several nodes that store lives in one node's agent, which leaves as soon as its
+    own workers end: after a failure there (it stops the rest and exits), the other nodes'
+    question raised ``RendezvousConnectionError`` out of the agent, so their launchers printed a
+    page of traceback and returned 1 instead of their own worker's code. A store that can no
+    longer be read has no node waiting to join: the answer is 0, and the agent goes on watching
+    its own workers, which end (done, or their peer gone) and are reported as on one node.
+    """
+    from torch.distributed.elastic.rendezvous import registry
+
+    registry.handler_registry.register(_RDZV_BACKEND, _create_handler)
+    return _RDZV_BACKEND
+
+
+_RDZV_BACKEND = "dataparallel-c10d"
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d handler (``registry._create_c10d_handler``), as :class:`_Handler`."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    handler.__class__ = _handler_class()  # torch builds it; the subclass changes two answers
+    return handler
+
+
+@functools.cache
+def _handler_class() -> type:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class _Handler(DynamicRendezvousHandler):
+        """torch's handler, under our backend's name, answering 0 nodes waiting without a store."""
+
+        def get_backend(self) -> str:
+            return _RDZV_BACKEND
+
+        def num_nodes_waiting(self) -> int:
+            try:
+                return super().num_nodes_waiting()
+            except RendezvousConnectionError:
+                return 0
+
+    return _Handler
 
 
 def _loopback_store() -> tuple[socket.socket, object]:
