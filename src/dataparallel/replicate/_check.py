@@ -158,6 +158,7 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 # (``const_data_ptr``: ``data_ptr`` would make a copy-on-write tensor copy its data)
 _DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _IS = operator.is_
+_DICT = operator.attrgetter("__dict__")
 _VALUES = dict.values
 
 
@@ -261,7 +262,6 @@ class Snapshot:
     """
 
     __slots__ = (
-        "_attrs",
         "_counted",
         "_expect",
         "_held",
@@ -328,14 +328,19 @@ class Snapshot:
         self._ptrs = _ptrs(self._tensors)
         self._loose = list(chain.from_iterable(s.loose for s in states))
         self._loose_values = list(chain.from_iterable(s.loose_vals for s in states))
-        # Read on every call in one pass (``same``): each module's class and dictionary object
-        # (``getattr(m, "__class__")``: its type, which no table holds), then the loose tables'
-        # contents in their own order. The root weakly (see ``_ModuleState``), the others as
-        # the replica set holds them, each twice (its class, its dictionary).
+        # Read on every call in one pass (``same``): the root's class and dictionary object,
+        # the other modules' classes (``type``: no table holds it), then their dictionaries,
+        # then the loose tables' contents in their own order. The root weakly (see
+        # ``_ModuleState``), the others as the replica set holds them.
         self._root = states[0].ref
-        self._held = [m for s in states[1:] for m in (s.ref(),) * 2]
-        self._attrs = ["__class__", "__dict__"] * len(states)
-        self._expect = [*chain.from_iterable((s.cls, s.d) for s in states), *self._loose_values]
+        self._held = [s.ref() for s in states[1:]]
+        self._expect = [
+            states[0].cls,
+            states[0].d,
+            *(s.cls for s in states[1:]),
+            *(s.d for s in states[1:]),
+            *self._loose_values,
+        ]
 
     def same(self) -> bool:
         """Whether nothing in the tree was written since the snapshot.
@@ -362,11 +367,14 @@ class Snapshot:
         # tables that are not plain dictionaries (a dead root: ``NoneType``, not its class),
         # and the watched storage addresses.
         root = self._root()
+        held = self._held
         return all(
             map(
                 _IS,
                 chain(
-                    map(getattr, chain((root, root), self._held), self._attrs),
+                    (type(root), getattr(root, "__dict__", None)),
+                    map(type, held),
+                    map(_DICT, held),
                     chain.from_iterable(self._loose),
                 ),
                 self._expect,
