@@ -226,6 +226,7 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 @functools.cache
 def _handler_class() -> type:
+    """The handler class of ``dataparallel-c10d``, made once (torch is imported lazily here)."""
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
