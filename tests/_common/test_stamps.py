@@ -11,6 +11,7 @@ compares). A generator draws the sequences.
 from __future__ import annotations
 
 import sys
+import sysconfig
 from collections import OrderedDict
 from typing import Any
 
@@ -65,13 +66,19 @@ def _apply(target: Any, d: dict[Any, Any], op: tuple[str, str, int]) -> None:
 
 
 def test_stamps_are_read_on_this_interpreter() -> None:
-    """CPython 3.11 (what the project runs and tests) keeps the tags where they are read;
-    elsewhere the callers compare everything (``AVAILABLE`` false)."""
-    expected = sys.implementation.name == "cpython" and sys.version_info[:2] == (3, 11)
-    assert expected == AVAILABLE
+    """CPython 3.11 reads its dictionaries' tags; 3.12 and later watch them (3.13.0 by setting
+    an owner's dictionary again first); elsewhere the callers compare everything
+    (``AVAILABLE`` false)."""
+    cpython = sys.implementation.name == "cpython" and not sysconfig.get_config_var(
+        "Py_GIL_DISABLED"
+    )
+    assert AVAILABLE == (cpython and sys.version_info >= (3, 11))
+    assert stamps_module._TAGS == (cpython and sys.version_info[:2] == (3, 11))
+    # Only where the interpreter misses stores into inline values (python/cpython#125608).
+    assert stamps_module._DETACH == (cpython and sys.version_info[:3] == (3, 13, 0))
 
 
-@pytest.mark.skipif(not AVAILABLE, reason="this interpreter keeps no readable dict tags")
+@pytest.mark.skipif(not AVAILABLE, reason="this interpreter stamps no dictionaries")
 @settings(max_examples=200, deadline=None)
 @given(
     kinds=st.lists(st.sampled_from(["dict", "ordered", "object"]), min_size=1, max_size=6),
@@ -89,7 +96,7 @@ def test_a_stamp_that_holds_means_nothing_was_written(
         else:
             targets.append((dict if kind == "dict" else OrderedDict)(a=_VALUES[0], b=_VALUES[1]))
     dicts = [t.__dict__ if isinstance(t, _Obj) else t for t in targets]
-    stamp = stamps(dicts)
+    stamp = stamps(dicts, owners=[t for t in targets if isinstance(t, _Obj)])
     assert stamp is not None
     assert not stamp.same()  # none taken yet
     stamp.take()
@@ -110,7 +117,7 @@ def test_without_tags_no_stamps_are_made(monkeypatch: pytest.MonkeyPatch) -> Non
     assert stamps([]) is None
 
 
-@pytest.mark.skipif(not AVAILABLE, reason="this interpreter keeps no readable dict tags")
+@pytest.mark.skipif(not AVAILABLE, reason="this interpreter stamps no dictionaries")
 def test_a_stamp_reads_every_dictionary_of_a_long_list() -> None:
     """Dictionaries made far apart in time (and memory) are read through one view."""
     dicts: list[dict[str, int]] = [{"x": i} for i in range(300)]
@@ -126,7 +133,7 @@ def test_a_stamp_reads_every_dictionary_of_a_long_list() -> None:
     del padding
 
 
-@pytest.mark.skipif(not AVAILABLE, reason="this interpreter keeps no readable dict tags")
+@pytest.mark.skipif(not AVAILABLE, reason="this interpreter stamps no dictionaries")
 def test_stamps_leave_no_garbage_behind() -> None:
     """Made and dropped, stamps leave nothing for the collector (a ctypes array type per view
     did: torch's own no-reference-cycles test of DataParallel found it)."""
@@ -139,3 +146,52 @@ def test_stamps_leave_no_garbage_behind() -> None:
         assert stamp.same()
         del stamp
     assert gc.collect() == 0
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="this interpreter stamps no dictionaries")
+def test_every_attribute_store_of_an_owner_is_seen() -> None:
+    """An attribute stored through the interpreter's specialised store for its class, after
+    the stamp is taken, is seen (CPython 3.13.0 stores into an object's inline values without
+    telling its dictionary's watchers: the owner's dictionary is set again first)."""
+
+    class Holder:
+        def __init__(self) -> None:
+            self.a = 0
+
+    def store(obj: Holder, value: int) -> None:
+        obj.a = value
+
+    for _ in range(200):  # specialised for objects of this class
+        store(Holder(), 1)
+    owner = Holder()
+    stamp = stamps([owner.__dict__], owners=[owner])
+    assert stamp is not None
+    for value in range(1, 50):
+        stamp.take()
+        assert stamp.same()
+        store(owner, value)
+        assert not stamp.same(), value
+    assert owner.a == 49 and owner.__dict__ == {"a": 49}
+
+
+@pytest.mark.skipif(
+    stamps_module._WATCHER < 0, reason="this interpreter has no dictionary watchers"
+)
+def test_a_watched_dictionary_freed_is_no_write() -> None:
+    """A table freed (another tree's, dropped) does not make every stamp read "written"; a
+    write to any watched table does (the counter is shared: its user then compares)."""
+    held = [{"x": 1}]
+    stamp = stamps(held)
+    other = stamps([{"y": 1}, {"z": 2}])  # their tables freed at once
+    assert stamp is not None and other is not None
+    del other
+    stamp.take()
+    gone = {"w": 1}
+    stamps([gone])
+    del gone
+    assert stamp.same()
+    elsewhere = {"v": 1}
+    stamps([elsewhere])
+    stamp.take()
+    elsewhere["v"] = 2
+    assert not stamp.same()
