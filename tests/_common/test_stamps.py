@@ -72,10 +72,13 @@ def test_stamps_are_read_on_this_interpreter() -> None:
     cpython = sys.implementation.name == "cpython" and not sysconfig.get_config_var(
         "Py_GIL_DISABLED"
     )
-    assert AVAILABLE == (cpython and sys.version_info >= (3, 11))
-    assert stamps_module._TAGS == (cpython and sys.version_info[:2] == (3, 11))
-    # Only where the interpreter misses stores into inline values (python/cpython#125608).
-    assert stamps_module._DETACH == (cpython and sys.version_info[:3] == (3, 13, 0))
+    available, tags = cpython and sys.version_info >= (3, 11), sys.version_info[:2] == (3, 11)
+    # Set again only where the interpreter misses stores into inline values
+    # (python/cpython#125608).
+    detach = cpython and sys.version_info[:3] == (3, 13, 0)
+    assert available == AVAILABLE
+    assert (cpython and tags) == stamps_module._TAGS
+    assert detach == stamps_module._DETACH
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="this interpreter stamps no dictionaries")

@@ -177,6 +177,7 @@ _CALLBACK_TYPE = ctypes.CFUNCTYPE(
 # The global write counter: moved by the callback to a value never held before (``next`` on
 # one ``count`` is atomic), so a stamp that still reads its own value saw no write since.
 _written: list[int] = [0]
+_next_value: Callable[[], int] = itertools.count(1).__next__
 
 
 def _on_write(
@@ -185,7 +186,7 @@ def _on_write(
     _key: int | None,
     _value: int | None,
     _counter: list[int] = _written,
-    _next: Any = itertools.count(1).__next__,
+    _next: Callable[[], int] = _next_value,
 ) -> int:
     # (Pointers, not objects: a dictionary being freed is not touched. Its freeing is no
     # write: a table the snapshot holds cannot be freed.)
