@@ -35,6 +35,7 @@ _KEYS = st.sampled_from(["a", "b", "c", "d"])
 _OPS = st.one_of(
     st.tuples(st.just("set"), _KEYS, st.integers(0, 2)),
     st.tuples(st.just("setattr"), _KEYS, st.integers(0, 2)),
+    st.tuples(st.just("store"), st.just("a"), st.integers(0, 2)),
     st.tuples(st.just("del"), _KEYS, st.just(0)),
     st.tuples(st.just("pop"), _KEYS, st.just(0)),
     st.tuples(st.just("setdefault"), _KEYS, st.integers(0, 2)),
@@ -46,11 +47,21 @@ _OPS = st.one_of(
 _VALUES = [object(), object(), object()]
 
 
+def _store_a(target: Any, value: Any) -> None:
+    target.a = value
+
+
+for _ in range(100):  # specialise ``_store_a``'s store for objects of the class
+    _store_a(_Obj(), 0)
+
+
 def _apply(target: Any, d: dict[Any, Any], op: tuple[str, str, int]) -> None:
     kind, key, value = op
     v = _VALUES[value]
     if kind == "set":
         d[key] = v
+    elif kind == "store":  # the interpreter's own store instruction, specialised by then
+        _store_a(target, v) if isinstance(target, _Obj) else d.__setitem__("a", v)
     elif kind == "setattr":
         setattr(target, key, v) if isinstance(target, _Obj) else d.__setitem__(key, v)
     elif kind in ("del", "pop"):
