@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dataparallel._common.checks import check_initialized
-from dataparallel._common.stamps import Stamps, Watched
+from dataparallel._common.stamps import Stamps
 from dataparallel._common.stamps import stamps as make_stamps
 
 __all__ = [
@@ -294,7 +294,7 @@ class Snapshot:
         self._storage = storage
         # Made at the first full comparison that finds the tree unchanged (a snapshot of a set
         # built for one call never pays for them), kept while the tables are the same objects.
-        self._stamps: Stamps | Watched | None = None
+        self._stamps: Stamps | None = None
         self._stampable = True
         self._counted: list[dict[Any, Any]] = []
         self._join()
