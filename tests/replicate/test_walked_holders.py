@@ -103,6 +103,31 @@ def test_defaults_assigned_later(devices: list[str]) -> None:
     assert model.calls == 3
 
 
+def test_a_function_holders_own_part_is_compared_where_it_can_change() -> None:
+    """A function without cells or keyword defaults is compared by its code and its defaults'
+    tuple alone (``Held.bare``); keyword defaults set later, a tuple of defaults replaced by
+    an equal one, and a code swapped are each still seen or let through as they should be."""
+    from dataparallel.replicate._copy import contents
+    from dataparallel.replicate._holders import Held
+
+    def hook(x: Any, scale: float = 1.0) -> Any:
+        return x
+
+    def other(x: Any, scale: float = 1.0) -> Any:
+        return -x
+
+    held = Held(hook, contents(hook))
+    assert held.still({})
+    hook.__defaults__ = (1.0,)  # another tuple, the same items: the same function
+    assert held.still({})
+    hook.__code__ = other.__code__
+    assert not held.still({})
+    hook.__code__ = held.held[0]
+    assert held.still({})
+    hook.__kwdefaults__ = {"owner": object()}
+    assert not held.still({})
+
+
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
 def test_a_dict_attribute_later_routes_to_a_submodule(devices: list[str]) -> None:
     model, oracle = Net(), Net()

@@ -100,7 +100,19 @@ class Held:
     """One watched holder: the object, what it held when read (identities), and the cheap
     state it is compared by first (a dictionary's version, a large list's samples)."""
 
-    __slots__ = ("at", "held", "names", "obj", "own", "sample", "sampled", "shared", "version")
+    __slots__ = (
+        "at",
+        "bare",
+        "defaults",
+        "held",
+        "names",
+        "obj",
+        "own",
+        "sample",
+        "sampled",
+        "shared",
+        "version",
+    )
 
     def __init__(self, obj: Any, held: list[Any], shared: bool = False) -> None:
         self.obj = obj
@@ -112,6 +124,10 @@ class Held:
         self.version: int | None = None
         self.sample: Callable[[Any], Any] | None = None
         self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
+        # A function without cells or keyword defaults (most hooks and methods): its own part
+        # is its code and its defaults' tuple, compared by identity (``bare``).
+        self.bare = False
+        self.defaults: tuple[Any, ...] | None = None
         self.names: list[str] = []  # a function's globals, in ``contents``' order
         self.sampled: tuple[Any, ...] = ()  # a large list's held items at the sampled places
         self.at = 0  # a large list's length when its places were chosen
@@ -126,6 +142,9 @@ class Held:
             # dictionary's version is (a global rebound, added or deleted moves it).
             self.version = _VERSION(obj.__globals__)
             self.own = len(function_own(obj))
+            # (``__closure__`` cannot be set, and a code swapped in keeps its free variables.)
+            self.bare = obj.__closure__ is None and obj.__kwdefaults__ is None
+            self.defaults = obj.__defaults__
             self.names = sorted(global_names(obj.__code__)[0])
         elif isinstance(obj, list) and len(obj) > BIG:
             n = self.at = len(obj)
@@ -145,9 +164,17 @@ class Held:
                 if _VERSION is not None and _VERSION(obj) == version:
                     return True
             elif _VERSION is not None:
-                now = function_own(obj)
-                if len(now) != own or not all(map(operator.is_, now, self.held)):
-                    return False
+                # Its own part: the same code and defaults' tuple (a tuple's items cannot
+                # change), and still no keyword defaults; else compared item by item.
+                if not (
+                    self.bare
+                    and obj.__code__ is self.held[0]
+                    and obj.__defaults__ is self.defaults
+                    and obj.__kwdefaults__ is None
+                ):
+                    now = function_own(obj)
+                    if len(now) != own or not all(map(operator.is_, now, self.held)):
+                        return False
                 g = obj.__globals__
                 moved = _VERSION(g)
                 if moved == version:
