@@ -33,6 +33,7 @@ the values of tables that are not plain dictionaries themselves.
 from __future__ import annotations
 
 import ctypes
+import operator
 import sys
 import sysconfig
 from collections import OrderedDict
@@ -59,15 +60,16 @@ class Stamps:
     takes them once it has seen the dictionaries' contents).
 
     Holds the dictionaries, so their addresses stay theirs while it is kept. The tags are read
-    through one ``numpy`` view over the address range the dictionaries span (only the tags
-    themselves are ever read), about 0.3 µs for 60 tables.
+    through one view over the address range the dictionaries span (only the tags themselves are
+    ever read), about 0.3 µs for 60 tables on warm caches, 6 µs on the caches a CNN's forward
+    leaves (its 56 tables; 8 through a ``numpy`` fancy index).
 
     ``owners``: the objects whose ``__dict__`` is among ``dicts``. Where the interpreter
     stores attributes past the tag (CPython 3.13.0), each one's dictionary is set again as its
     ``__dict__`` first (see the module's docstring).
     """
 
-    __slots__ = ("_dicts", "_index", "_saved", "_view")
+    __slots__ = ("_dicts", "_read", "_saved", "_words")
 
     def __init__(
         self, dicts: list[dict[Any, Any]], borrowed: int = 0, owners: Iterable[object] = ()
@@ -85,14 +87,19 @@ class Stamps:
         span = int(np.max(offsets)) + 8
         if span > _SPAN_LIMIT or (offsets % np.uint64(8)).any():
             raise ValueError("address range")  # (caught by ``stamps``)
-        self._view = np.asarray(_Memory(base, span // 8))
-        # One fancy index reads them all, in address order (neighbours share pages).
-        self._index = np.sort((offsets // np.uint64(8)).astype(np.intp))
-        self._saved = b""  # (none taken yet: ``same`` answers ``False`` until ``take``)
+        # The span as 64-bit words, and one ``itemgetter`` of the tags' places in it, in
+        # address order (neighbours share pages): one C call reads them all, as a tuple of
+        # ints (a second place read twice where there is one table: always a tuple).
+        view: Any = np.asarray(_Memory(base, span // 8))
+        self._words = memoryview(view).cast("B").cast("Q")
+        places = sorted(int(i) for i in offsets // np.uint64(8))
+        self._read = operator.itemgetter(*places, places[0])
+        self._saved: tuple[int, ...] = ()  # (none taken yet: ``same`` answers ``False``)
 
-    def read(self) -> bytes:
-        """The tags now, as bytes (equal bytes: no table written since)."""
-        return self._view[self._index].tobytes()
+    def read(self) -> tuple[int, ...]:
+        """The tags now (equal tuples: no table written since)."""
+        tags: tuple[int, ...] = self._read(self._words)
+        return tags
 
     def take(self) -> None:
         """Keep the tags as they are now."""
@@ -100,7 +107,7 @@ class Stamps:
 
     def same(self) -> bool:
         """Whether none of the dictionaries was written since :meth:`take`."""
-        return self._view[self._index].tobytes() == self._saved
+        return self._read(self._words) == self._saved
 
 
 class _Memory:
