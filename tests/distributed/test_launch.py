@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -16,6 +17,9 @@ import pytest
 from dataparallel.app.launch import free_port, launch
 
 from ._helpers import REPO, child_env
+
+# The module itself (the package's ``launch`` is the function of that name).
+launch_module = importlib.import_module("dataparallel.app.launch")
 
 JOB = "tests.distributed._job"
 
@@ -142,6 +146,32 @@ def test_free_port_can_be_bound() -> None:
     assert port != 29500
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_lies_below_the_kernels_source_ports() -> None:
+    """A client retrying a connection to a port in the ephemeral range can draw it as its own
+    source port and connect to itself; ``free_port`` used to return one from there."""
+    low = launch_module._ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(launch_module._LOWEST_PORT <= port < low for port in ports), (low, ports)
+    assert len(ports) > 1  # drawn at random: two launchers rarely pick alike
+
+
+def test_free_port_falls_back_to_the_kernels_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room below the range (or every try taken): the kernel's pick, which binds."""
+    monkeypatch.setattr(launch_module, "_ephemeral_low", lambda: launch_module._LOWEST_PORT)
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", launch_module._LOWEST_PORT))
+    except OSError:
+        taken.close()
+        return  # (the one port is in use here already: the case holds as it is)
+    with taken:
+        monkeypatch.setattr(launch_module, "_ephemeral_low", lambda: launch_module._LOWEST_PORT + 1)
+        assert free_port() != launch_module._LOWEST_PORT
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import signal
 import socket
 import sys
@@ -62,14 +63,47 @@ _HANDLED_SIGNALS = tuple(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bound to port 0, then released).
+    """A TCP port that was free on ``host`` a moment ago, below the range the kernel draws its
+    source ports from (its ephemeral range) where one is free there.
+
+    Not a port the kernel picks for ``bind(port 0)``: that one lies in the ephemeral range, and
+    a client that retries a connection to it before its server listens (a rank that starts
+    before rank 0) can draw the same port as its own source and connect to itself (TCP
+    self-connect), then wait for an answer that never comes. Below the range no source port
+    is ever drawn. Ports are tried at random from :data:`_LOWEST_PORT` up to the range (read
+    from Linux's ``ip_local_port_range``; elsewhere IANA's 49152 on); where none of a few binds,
+    the kernel's pick.
 
     >>> 0 < free_port() < 65536
     True
     """
+    low = _ephemeral_low()
+    if low > _LOWEST_PORT:
+        for port in _RANDOM.sample(range(_LOWEST_PORT, low), min(_TRIES, low - _LOWEST_PORT)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:  # in use (or held in TIME_WAIT): the next one
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_LOWEST_PORT = 20000  # (well above the ports of common services)
+_TRIES = 32
+_RANDOM = random.SystemRandom()  # (a program's own seed must not make two runs pick alike)
+_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range: Linux's setting, else IANA's 49152."""
+    try:
+        with open(_PORT_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def _positive(name: str, value: int, minimum: int) -> int:
