@@ -140,6 +140,46 @@ def test_a_trainable_weight_written_in_forward_is_refused_at_the_call(style: str
         wrapper(torch.randn(4, 4))
 
 
+class _Switched(nn.Module):
+    """A linear layer and a buffer (its replicas then get private buffer copies on every call),
+    whose forward renormalises the trainable weight in place once ``write`` is set."""
+
+    write = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Switched.write:
+            with torch.no_grad():
+                self.lin.weight.mul_(0.9)
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_trainable_weight_written_at_a_warm_call_of_a_module_with_buffers_is_refused(
+    grad: bool,
+) -> None:
+    """A module with buffers refreshes its replicas' tensors on every call: the guard of the
+    trainable parameters the replicas share is taken there too, from the first call on."""
+    model = _Switched()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    x = torch.randn(4, 4)
+    _Switched.write = False
+    try:
+        with torch.set_grad_enabled(grad):
+            for _ in range(3):
+                assert_close_rel(wrapper(x), oracle(x))
+            _Switched.write = True
+            with pytest.raises(RuntimeError, match=r"'lin\.weight'.*outside the wrapped call"):
+                wrapper(x)
+    finally:
+        _Switched.write = False
+
+
 def test_a_trainable_weight_written_on_separate_devices_is_not_refused() -> None:
     ref = Renorm("in-place")
     par = copy.deepcopy(ref)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -101,6 +102,19 @@ class ForwardWrites:
         shared = self.shared
         if not shared:
             self.guard = []
+            return per_device
+        tensors = self.tensors
+        if (
+            len(tensors) == len(self.params)
+            and all(map(operator.is_, per_device, repeat(self.params)))
+            and all(map(_REQUIRES_GRAD, tensors))
+        ):
+            # Every replica uses the parameters themselves (a CPU list of a model with
+            # buffers), all trainable: the guard is every parameter, read in a few passes in C
+            # (as ``arm`` does), not one step per parameter and replica below.
+            self.guard = tensors
+            self.before = _marks(tensors)
+            self.clones.clear()
             return per_device
         guard: dict[int, torch.Tensor] = {}
         frozen: list[int] = []
