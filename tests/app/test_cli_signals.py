@@ -176,13 +176,22 @@ def test_a_worker_killed_from_outside_is_reported_as_killed(
 def test_a_closed_reader_ends_the_run_quietly(
     argv: list[str], tmp_path: Path, reap: list[subprocess.Popen[str]]
 ) -> None:
-    proc = _start(argv, tmp_path)
-    reap.append(proc)
-    assert proc.stdout is not None and proc.stderr is not None
-    assert proc.stdout.readline()  # `| head -1`: one line read, then the pipe closes
-    proc.stdout.close()
-    err = proc.stderr.read()
-    code = proc.wait(timeout=90)
+    def run() -> tuple[int, str]:
+        proc = _start(argv, tmp_path)
+        reap.append(proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()  # `| head -1`: one line read, then the pipe closes
+        proc.stdout.close()
+        err = proc.stderr.read()
+        return proc.wait(timeout=90), err
+
+    code, err = run()
+    if "recvValue failed" in err and argv[-1] != "explain":
+        # The teardown race ``test_stalls`` names, which no Python code closes: a worker's
+        # store call met the store's host ending (torch's client logs the reset with C++
+        # frames). Seen once in a local CI run under load (newest torch); a run that is not
+        # quiet on every try (the regression this test guards) fails the second run too.
+        code, err = run()
     if argv[-1] == "explain":
         # explain prints about 6 KB, which fits in the pipe's buffer: it may have written all of
         # it (exit 0) before the reader closed, or hit the closed pipe (141). Quiet either way.
