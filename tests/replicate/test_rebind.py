@@ -487,3 +487,36 @@ def test_the_one_at_a_time_mark_holds_under_every_wrapper_layer(
             wrapper.train_step(x) if layer == "train_step" else wrapper(x)
     assert set(holder.threads) == {threading.get_ident()}, "a replica ran on a pool thread"
     assert len(holder.threads) == 2 * len(devices)
+
+
+class KeyProxy:
+    """A proxy whose ``__getattr__`` raises ``KeyError`` for a name it does not hold (not
+    ``AttributeError``), leading to a module of the tree."""
+
+    def __init__(self, names: dict[str, nn.Module]) -> None:
+        self.__dict__["_names"] = names
+
+    def __getattr__(self, name: str) -> Any:
+        return self._names[name]
+
+
+class ThroughProxy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.proxy = KeyProxy({"layer": self.lin})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proxy.layer(x)
+
+
+def test_a_proxy_whose_getattr_raises_key_error_is_named_in_the_warning() -> None:
+    """The serial warning names the object by its class: asking a proxy for ``__qualname__``
+    raised its own ``KeyError`` out of the call (found by the holders' probe of stop 74)."""
+    torch.manual_seed(0)
+    model = ThroughProxy()
+    x = torch.randn(7, 4)
+    with pytest.warns(UserWarning, match="'proxy', KeyProxy of the module itself"):
+        out = dp.DataParallel(model, ["cpu", "cpu"])(x)
+    with torch.no_grad():
+        assert_close_rel(out.detach(), model(x), msg="output")

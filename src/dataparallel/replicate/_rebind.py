@@ -198,7 +198,7 @@ class Rebinding:
         index, (table, hook, why) = min(self.serial.items())
         names = {id(m): n for n, m in modules[0].named_modules()}
         name = names.get(id(modules[index]), type(modules[index]).__name__)
-        what = getattr(hook, "__qualname__", None) or type(hook).__name__
+        what = _qualname(hook) or type(hook).__name__
         where = f"module {name!r}" if name else "the module itself"
         reason = f"the {_KINDS.get(table, f'attribute {table!r},')} {what} of {where}"
         if not self.warned and replicas > 1:
@@ -395,3 +395,14 @@ def replica_zero_grad(set_to_none: bool = True) -> None:
         "clears its gradients. Zero the gradients outside forward.",
         stacklevel=2,
     )
+
+
+def _qualname(obj: Any) -> str | None:
+    """``obj.__qualname__`` where it has a text one, else ``None``: a user's ``__getattr__``
+    may raise anything for a name it does not hold (a proxy's ``KeyError``), not only
+    ``AttributeError``."""
+    try:
+        name = getattr(obj, "__qualname__", None)
+    except Exception:  # (its own error for a name it does not hold)
+        return None
+    return name if isinstance(name, str) else None
