@@ -202,3 +202,47 @@ def test_a_frozen_backbone_is_not_copied_for_the_replicas() -> None:
             assert weight is not backbone.weight
             assert weight.const_data_ptr() == backbone.weight.const_data_ptr()
         replicas = dp.replicate(model, ["cpu", "cpu", "cpu"])
+
+
+class Counted(nn.Module):
+    """A frozen counter parameter written in forward, and used in the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.count = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.count.add_(1)
+        return self.lin(x) * self.count
+
+
+NOT_THE_MODULE = [  # replica 0 is a copy: another slot, or no chunk for the module's device
+    (["cpu:1", "cpu:1"], None),
+    (["cpu:1"] * 3, None),
+    (["cpu", "cpu:1", "cpu:1"], [0, 3, 3]),
+]
+
+
+@pytest.mark.parametrize(("devices", "sizes"), NOT_THE_MODULE, ids=str)
+@pytest.mark.parametrize("model", ["ema", "counted"])
+def test_a_frozen_parameter_written_by_a_replica_0_that_is_a_copy_lands_on_the_module(
+    devices: list[str], sizes: list[int] | None, model: str
+) -> None:
+    """Replica 0's write of a frozen parameter is the module's, as its buffers' are
+    (``copy_writes_back``); before, it was dropped: the counter stayed at 0, and the outputs
+    were off from call 1 (found by the forward-writes probe of stop 74)."""
+    ref: nn.Module = Ema("rotate") if model == "ema" else Counted()
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, devices, chunk_sizes=sizes)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(6, 4, generator=gen)
+        with torch.no_grad():
+            got, want = wrapper(x), ref(x)
+        for g, w in zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (got, want))):
+            assert_close_rel(g, w, msg=f"output, call {step}")
+        for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
+            assert_close_rel(p, q, msg=f"{name}, call {step}")

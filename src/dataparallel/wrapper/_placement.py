@@ -157,6 +157,15 @@ def copy_writes_back(
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
                 mine.copy_(value)
+        # Parameters that do not require grad, as buffers (an EMA teacher, a counter): one
+        # device writes them once per call (``replicate._written``); replica 0 wrote its copy.
+        # A copy-on-write clone that is one still was not written: no comparison.
+        for mine, theirs in zip(module.parameters(), replica.parameters(), strict=True):
+            if mine is theirs or mine.requires_grad or _IS_COW(theirs):
+                continue
+            value = theirs.to(mine.device)
+            if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
+                mine.copy_(value)
     for i, (own, copy) in enumerate(zip(module.modules(), replica.modules(), strict=True)):
         if own is copy:
             continue
@@ -174,6 +183,7 @@ def copy_writes_back(
 
 
 _MISSING = object()
+_IS_COW = torch._C._is_cow_tensor  # type: ignore[attr-defined]
 
 
 def _all_on(module: nn.Module, device: torch.device) -> bool:
