@@ -75,6 +75,7 @@ def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
 
 
 _VERSION = _dict_version_reader()
+_DICT_ITER = dict.__iter__
 
 
 def _plain_change(obj: Any, held: list[Any], now: list[Any]) -> bool:
@@ -135,7 +136,15 @@ class Held:
 
     def _cheap(self) -> None:
         obj = self.obj
-        if _VERSION is not None and isinstance(obj, dict):
+        if (
+            _VERSION is not None
+            and isinstance(obj, dict)
+            and (self.shared or type(obj).__iter__ is _DICT_ITER)
+        ):
+            # (A copied dict whose order is not its storage's, an ``OrderedDict``, is compared
+            # item by item: ``move_to_end`` reorders it without moving the version, and its
+            # copies keep the old order. One left shared is the replicas' own: a tokenizer's
+            # vocabulary is read by its version.)
             self.version = _VERSION(obj)
         elif _VERSION is not None and isinstance(obj, types.FunctionType):
             # Its globals are its module's dictionary's values: unchanged while that
