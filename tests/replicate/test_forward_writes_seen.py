@@ -242,7 +242,8 @@ def test_a_frozen_parameter_written_by_a_replica_0_that_is_a_copy_lands_on_the_m
         x = torch.randn(6, 4, generator=gen)
         with torch.no_grad():
             got, want = wrapper(x), ref(x)
-        for g, w in zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (got, want))):
+        pairs = zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (got, want)), strict=True)
+        for g, w in pairs:
             assert_close_rel(g, w, msg=f"output, call {step}")
         for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
             assert_close_rel(p, q, msg=f"{name}, call {step}")
