@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import dataparallel as dp
+from _close import assert_close_rel
 
 from ._models import text_batch, tiny_llama
 from ._oracle import LAYOUTS
@@ -271,7 +272,9 @@ def test_a_peft_models_wrapper_is_an_instance_of_its_class() -> None:
     for again in (copy.deepcopy(wrapper), _pickled(wrapper)):
         assert type(again) is type(wrapper) and again.module is not model
         data = text_batch(4, seed=2)
-        assert torch.equal(again(**data).logits, model(**data).logits)
+        # (within rounding: the two chunks' matmuls may round apart from the whole batch's,
+        # as transformers 5.24's Llama does, by 1.5e-8 on logits of 0.26)
+        assert_close_rel(again(**data).logits, model(**data).logits, msg="logits")
     wrapper.module = nn.Linear(2, 2)
     assert type(wrapper) is dp.DataParallel and not isinstance(wrapper, peft.PeftModel)
     wrapper.module = model

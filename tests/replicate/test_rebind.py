@@ -254,16 +254,23 @@ def test_an_object_of_the_users_own_holding_the_module_is_rebuilt_per_replica(
     devices: list[str],
 ) -> None:
     """Each replica's hook is a copy of the holder pointing at that replica: the replicas run
-    in parallel, without a warning, and the module keeps replica 0's feature (its chunk's)."""
+    in parallel, with no serial warning, and the module keeps replica 0's feature (its
+    chunk's). The copies share the holder's ``threads`` list, which each replica's hook
+    appends to: that write, one per replica, is said once (``Rebinding.said_written``)."""
     torch.manual_seed(0)
     model = Captures()
     holder = OwnHolder(model)
     model.lin.register_forward_hook(holder)
     wrapper = dp.DataParallel(model, devices)
     x = torch.randn(7, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         wrapper(x)
+        wrapper(x)
+    said = [str(w.message) for w in seen]
+    assert len(said) == 1 and "a list the" in said[0] and "forward wrote" in said[0], said
+    holder.threads.clear()
+    wrapper(x)
     feature, runs = model.feature, len(holder.threads)
     assert holder.module is model  # the user's holder is left as it was
     assert runs == len(devices)  # the copies share the holder's list

@@ -213,6 +213,22 @@ class Held:
             self._cheap()
         return True
 
+    def written(self) -> bool:
+        """Whether the holder was written since :meth:`still` last read it: read right after
+        the replicas ran, a write their forwards made. By the cheap state alone: a dictionary's
+        version, a list's length and last item, a small holder's contents; a function (its
+        cells) and a large holder of another kind are not read."""
+        obj, held = self.obj, self.held
+        if isinstance(obj, dict) and self.version is not None:
+            return _VERSION(obj) != self.version  # type: ignore[misc]
+        if isinstance(obj, list):
+            n = len(held)
+            return len(obj) != n or (n > 0 and obj[n - 1] is not held[n - 1])
+        if isinstance(obj, types.FunctionType) or len(held) > BIG:
+            return False
+        now = contents(obj)
+        return len(now) != len(held) or not all(map(operator.is_, now, held))
+
     def _plain_globals(self, now: list[Any]) -> bool:
         """Whether every global of a function that changed (``now`` against the held ones,
         by name) was a plain value before and is one now (a script's step counter, a learning

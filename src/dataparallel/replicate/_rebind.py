@@ -128,9 +128,10 @@ class Rebinding:
     write to one since (``order.append(m)``, ``route["k"] = m``) refills that module.
     """
 
-    __slots__ = ("keys", "probe", "serial", "warned", "watched")
+    __slots__ = ("keys", "probe", "serial", "told", "warned", "watched")
 
     def __init__(self) -> None:
+        self.told: set[int] = set()  # the holders said written in forward (their ids)
         self.keys: dict[int, tuple[str, ...]] = {}
         self.serial: dict[int, tuple[str, Any, str]] = {}
         self.watched: dict[int, list[Held]] = {}
@@ -189,6 +190,22 @@ class Rebinding:
             for i, watched in self.watched.items()
             if not all([holder.still(probe) for holder in watched])
         ]
+
+    def said_written(self, root: nn.Module, replicas: int) -> None:
+        """After the replicas of one call ran: say, once per holder, each holder the replicas
+        share (one that leads to no module of the tree: a hook's history list, a stats dict, a
+        ``Counter``) that their forwards wrote. Each replica writes that very object, so a
+        write one device makes once per forward is made by every replica that reaches it, and
+        none of them can be taken back; nothing is refused (a logging hook is most often such
+        a write), the difference is said where it happens."""
+        said = self.told
+        for i, watched in self.watched.items():
+            for holder in watched:
+                if holder.shared and id(holder.obj) not in said and holder.written():
+                    said.add(id(holder.obj))
+                    message = _written_message(root, i, holder.obj, replicas)
+                    if message is not None:
+                        warn_user(message)
 
     def reason(self, modules: list[nn.Module], replicas: int) -> str | None:
         """Why the replicas of the tree ``modules`` must run one at a time (``None``: they
@@ -406,3 +423,39 @@ def _qualname(obj: Any) -> str | None:
     except Exception:  # (its own error for a name it does not hold)
         return None
     return name if isinstance(name, str) else None
+
+
+_OWN = __name__.split(".")[0] + "."  # this library's modules: "dataparallel."
+
+
+def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str | None:
+    """The warning for ``obj``, a holder the replicas share that forward wrote, found from the
+    module at preorder ``index`` of ``root``'s tree (named with the attribute or hook variable
+    that holds it, where one does directly); ``None`` for the state of a module of this
+    library's own (a wrapper inside the model keeps its bookkeeping per call: its own rules
+    apply to its replicas)."""
+    named = list(root.named_modules())  # (preorder, each module once: the set's indices)
+    name, module = named[index] if index < len(named) else ("", root)
+    if type(module).__module__.startswith(_OWN):
+        return None
+    where = f"module {name!r}" if name else "the module itself"
+    how = f"an object {where} reaches"
+    for key, value in module.__dict__.items():
+        if value is obj:
+            how = f"the attribute {key!r} of {where}"
+    for table in REBOUND_TABLES:
+        for hook in (module.__dict__.get(table) or {}).values():
+            cells = getattr(hook, "__closure__", None) or ()
+            if any(filled(cell) and cell.cell_contents is obj for cell in cells):
+                kind = _KINDS.get(table, "hook")
+                how = (
+                    f"a variable of the {kind} {_qualname(hook) or type(hook).__name__} of {where}"
+                )
+    return (
+        f"module: forward wrote {how}, a {type(obj).__name__} the {replicas} replicas share (it "
+        f"leads to no module, so it is not copied for each): every replica that reaches it "
+        f"wrote it, so a write one device makes once per forward (an append, a count) was made "
+        f"up to {replicas} times in this call, each from its replica's chunk. To keep one write "
+        f"per call, make it from the wrapper's output after the call, or keep the state in a "
+        f"tensor buffer (written once per call, from replica 0's chunk)"
+    )

@@ -405,6 +405,7 @@ class Replicas(TensorSync):
                 set_dict(node.module, "__dict__", d)
         # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
         reason = rebinding.reason(modules, len(self.devices))
+        self.writes.holders = rebinding
         hooks = [
             tuple(map(id, table.values()))
             for m in modules

@@ -57,7 +57,7 @@ class ForwardWrites:
     """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
     keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("before", "clones", "guard", "params", "shared", "tensors")
+    __slots__ = ("before", "clones", "guard", "holders", "params", "shared", "tensors")
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params  # the replica set's parameters (a list fixed with the set)
@@ -70,6 +70,9 @@ class ForwardWrites:
         # The parameters at the shared slots, read at the first sync (``arm``'s, for replicas
         # that use the parameters themselves: no copy on any device).
         self.tensors: list[torch.Tensor] = []
+        # The replica set's ``Rebinding``, whose shared holders are read after the call (set
+        # at each install; ``None``: none to read).
+        self.holders: Any = None
 
     def arm(self) -> bool:
         """For replicas that share the parameters themselves (no copy on any device): guard
@@ -190,6 +193,9 @@ def check_writes(replicas: Sequence[Any]) -> None:
                     now = _marks(guard)
                 if now != writes.before:
                     writes.refuse(replicas[0], now)
+            holders = writes.holders
+            if holders is not None and holders.watched:
+                holders.said_written(replicas[0], len(replicas))
 
 
 def _marks(tensors: list[torch.Tensor]) -> list[int | None]:

@@ -1,0 +1,100 @@
+"""Writes to a holder the replicas share, said at the call (stop 74's holders probe).
+
+A holder that leads to no module of the tree (a hook's history list, a stats dict, a
+``Counter``) is not copied for each replica: every replica reads and writes that very object,
+so a write one device makes once per forward is made once per replica that reaches it. It
+cannot be taken back; it is said, once per holder, at the first call that makes it. The oracle
+is the same module run plainly: the counts on one device, and no warning where forward only
+reads what it carries.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu"] * 3]
+
+
+class Logged(nn.Module):
+    """A model that counts its calls in a stats dict, by name in a ``Counter``, and logs each
+    forward of its layer through a hook into a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.stats = {"calls": 0}
+        self.by_name: collections.Counter[str] = collections.Counter()
+        self.vocab = {f"w{i}": i for i in range(300)}  # read only
+        history: list[dict[str, int]] = []
+        self.lin.register_forward_hook(lambda m, a, out: history.append({"rows": out.shape[0]}))
+        self.history = history  # (the same list: said once, by the first name found)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"] += 1
+        self.by_name["forward"] += 1
+        return self.lin(x) * len(self.vocab)
+
+
+def _said(call: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_shared_holder_written_in_forward_is_said_once_at_the_first_call(
+    devices: list[str],
+) -> None:
+    """Before, the counts doubled with no word: ``stats["calls"]`` 2 per call on two
+    replicas, the history two records per call."""
+    model, oracle = Logged(), Logged()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        said = _said(lambda: wrapper(x))
+        oracle(x)
+        later = _said(lambda: [wrapper(x) for _ in range(3)])
+    assert later == []  # once per holder
+    n = len(devices)
+    for name, kind in (("stats", "dict"), ("by_name", "Counter"), ("history", "list")):
+        found = f"the attribute '{name}' of the module itself, a {kind} the {n} replicas share"
+        assert sum(found in s for s in said) == 1, (found, said)
+    assert len(said) == 3, said
+    # What was said is what happened: one write per replica, where one device makes one.
+    assert model.stats["calls"] == n * 4 and oracle.stats["calls"] == 1
+    assert len(model.history) == n * 4 and len(oracle.history) == 1
+
+
+class Reader(nn.Module):
+    """Reads what it carries (a vocabulary, a table of records) and writes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.vocab = collections.OrderedDict((f"w{i}", i) for i in range(50_000))
+        self.records = [{"id": i, "name": f"r{i}"} for i in range(1_000)]
+        self.order = [self.lin]  # leads to the tree: copied for each replica
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.order:
+            x = layer(x)
+        return x * (len(self.vocab) + len(self.records))
+
+
+def test_a_forward_that_only_reads_what_it_carries_is_not_said() -> None:
+    wrapper = dp.DataParallel(Reader(), ["cpu", "cpu"])
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            wrapper(x)
