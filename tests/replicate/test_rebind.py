@@ -527,3 +527,36 @@ def test_a_proxy_whose_getattr_raises_key_error_is_named_in_the_warning() -> Non
         out = dp.DataParallel(model, ["cpu", "cpu"])(x)
     with torch.no_grad():
         assert_close_rel(out.detach(), model(x), msg="output")
+
+
+class ThreadScaled(nn.Module):
+    """Reads a scale from a ``threading.local`` the caller's thread set."""
+
+    def __init__(self, default: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.local = threading.local()
+        self.local.scale = 2.0
+        self.default = default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = getattr(self.local, "scale", 1.0) if self.default else self.local.scale
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("default", [True, False], ids=["read with a default", "read bare"])
+def test_a_threading_local_on_the_module_runs_the_replicas_on_the_calling_thread(
+    default: bool,
+) -> None:
+    """A replica on a worker thread saw none of what the caller's thread set: with a default,
+    its rows silently used it (off by up to 1.39); without one, an ``AttributeError`` (stop
+    74's holders probe). The replicas now run on the calling thread, said once."""
+    model = ThreadScaled(default)
+    x = torch.randn(8, 4)
+    wrapper = dp.DataParallel(model, ["cpu", "cpu"])
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="'local', _local of the module itself holds a threa"):
+            got = wrapper(x)
+        assert_close_rel(got, model(x), msg="output")
+        assert_close_rel(wrapper(x), model(x), msg="output, second call")

@@ -19,6 +19,7 @@ import copy
 import dis
 import functools
 import operator
+import threading
 import types
 import weakref
 from typing import Any
@@ -75,7 +76,9 @@ class Pass:
     for every holder the pass looked into and left shared (it led nowhere): a write to one
     later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
     pass stopped short (past :data:`MAX_DEPTH` or :data:`MAX_VISITS`): what lies beyond was
-    not searched.
+    not searched. ``local`` is the first ``threading.local`` met outside a library's state:
+    each thread sees its own attributes there, so a replica on a worker thread would not see
+    what the caller's thread set (its replicas then run on the calling thread).
 
     Code and objects of installed packages and the standard library (:func:`from_library`)
     are searched for the tree as any other, but are not watched, and a search that stops
@@ -83,7 +86,17 @@ class Pass:
     registries), not the model's, and watching it would cost every call.
     """
 
-    __slots__ = ("copied", "cut", "library", "mapping", "memo", "visits", "walked", "watch")
+    __slots__ = (
+        "copied",
+        "cut",
+        "library",
+        "local",
+        "mapping",
+        "memo",
+        "visits",
+        "walked",
+        "watch",
+    )
 
     def __init__(self, mapping: Mapping, watch: bool = False) -> None:
         self.mapping = mapping
@@ -92,6 +105,7 @@ class Pass:
         self.walked: list[tuple[Any, list[Any]]] = []
         self.watch = watch
         self.cut = False
+        self.local: threading.local | None = None
         self.library = 0  # how deep inside a library's object or function the pass is
         self.visits = 0
 
@@ -111,6 +125,10 @@ class Pass:
         if isinstance(value, nn.Module):
             return self.mapping.get(id(value), value)
         if isinstance(value, _OPAQUE):
+            return value
+        if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
+            if self.local is None and not self.library:
+                self.local = value
             return value
         key = id(value)
         if key in self.memo:

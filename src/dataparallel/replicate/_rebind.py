@@ -122,7 +122,8 @@ class Rebinding:
     (searched at each refill of the module, applied to each replica's new ``__dict__``);
     ``serial``: the modules whose hooks, forward or attributes lead back to the tree through
     something that cannot be rebound, or are too large to search, and which one and why
-    (``"unbound"`` or ``"limit"``; the replicas then run one at a time);
+    (``"unbound"``, ``"limit"``, or ``"thread"`` for a ``threading.local``; the replicas then
+    run one at a time);
     ``watched``: per module, each holder its replicas hold a rebuilt copy of (a list of
     submodules, a closure's cells, an object of the user's own), with what it held then: a
     write to one since (``order.append(m)``, ``route["k"] = m``) refills that module.
@@ -220,7 +221,16 @@ class Rebinding:
         reason = f"the {_KINDS.get(table, f'attribute {table!r},')} {what} of {where}"
         if not self.warned and replicas > 1:
             self.warned = True
-            if why == "limit":
+            if why == "thread":
+                found = (
+                    "holds a threading.local, whose attributes each thread sees apart, so a "
+                    "replica on another thread would not see what your thread set there"
+                )
+                fix = (
+                    "To run them in parallel, keep that state in an attribute of the module "
+                    "(a plain value, or a buffer)"
+                )
+            elif why == "limit":
                 found = (
                     f"is too large to search for a way back to the module (past {MAX_VISITS:,} "
                     f"objects or {MAX_DEPTH} levels), so it might run on your module from "
@@ -292,7 +302,9 @@ def bound_keys(
 
     Also the first entry the search stopped short in (past its depth or object limits), as
     ``(table or attribute name, value, "limit")``, else ``None``: what lies beyond was not
-    searched, so it may lead to the tree unrebound.
+    searched, so it may lead to the tree unrebound; or the first that holds a
+    ``threading.local``, with ``"thread"``: a replica on a worker thread would not see what the
+    caller's thread set in it.
     """
     search = probe if isinstance(probe, Pass) else Pass(probe)
     found: list[str] = []
@@ -301,10 +313,12 @@ def bound_keys(
 
     def look(name: str, value: Any) -> bool:
         nonlocal cut
-        was = search.cut
+        was, local = search.cut, search.local
         changed = search.rebind(value, 0) is not value
         if search.cut and not was and cut is None:
             cut = (name, value, "limit")
+        if search.local is not local and cut is None:
+            cut = (name, value, "thread")
         return changed
 
     if cls is not None and "forward" not in d:
