@@ -104,6 +104,8 @@ def _skipped(cls: type | None) -> frozenset[str]:
 
 # What the search binds in place of a tree module: anything that is no module of the tree.
 _PROBE = object()
+_OWN = __name__.split(".")[0] + "."  # this library's modules: "dataparallel."
+
 _KINDS = {
     "_forward_hooks": "forward hook",
     "_forward_pre_hooks": "forward pre-hook",
@@ -310,6 +312,9 @@ def bound_keys(
     found: list[str] = []
     cut: tuple[str, Any, str] | None = None
     skipped = _skipped(cls)
+    # (a module of this library's own, a wrapper inside the model, keeps its per-thread
+    # bookkeeping in a ``threading.local``: its own rules apply to its replicas)
+    own = cls is not None and cls.__module__.startswith(_OWN)
 
     def look(name: str, value: Any) -> bool:
         nonlocal cut
@@ -317,7 +322,7 @@ def bound_keys(
         changed = search.rebind(value, 0) is not value
         if search.cut and not was and cut is None:
             cut = (name, value, "limit")
-        if search.local is not local and cut is None:
+        if search.local is not local and cut is None and not own:
             cut = (name, value, "thread")
         return changed
 
@@ -437,9 +442,6 @@ def _qualname(obj: Any) -> str | None:
     except Exception:  # (its own error for a name it does not hold)
         return None
     return name if isinstance(name, str) else None
-
-
-_OWN = __name__.split(".")[0] + "."  # this library's modules: "dataparallel."
 
 
 def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str | None:
