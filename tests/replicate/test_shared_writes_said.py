@@ -98,3 +98,64 @@ def test_a_forward_that_only_reads_what_it_carries_is_not_said() -> None:
         warnings.simplefilter("error")
         for _ in range(3):
             wrapper(x)
+
+
+class Cached(nn.Module):
+    """A plain tensor attribute counted in place, and a preallocated cache (a tensor in a
+    list) each forward writes its rows into: every replica writes the same tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.count = torch.zeros(())
+        self.cache = [torch.zeros(8, 4)]
+        self.mask = torch.ones(4)  # read only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        self.cache[0][: x.shape[0]] = x
+        return self.lin(x) * self.mask
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_shared_tensor_written_in_place_in_forward_is_said(devices: list[str]) -> None:
+    """Read by its version counter, before and after the replicas ran. Before, ``count`` went
+    up by one per replica per call, and the replicas' rows raced in the cache, unsaid."""
+    model, oracle = Cached(), Cached()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        said = _said(lambda: wrapper(x))
+        oracle(x)
+    n = len(devices)
+    assert len(said) == 2, said
+    assert any(f"the attribute 'count' of the module itself, a Tensor the {n}" in s for s in said)
+    assert any("an item of the attribute 'cache' of the module itself, a Tensor" in s for s in said)
+    assert float(model.count) == n and float(oracle.count) == 1  # what was said happened
+
+
+class Teacher(nn.Module):
+    """An EMA teacher written in forward through the module, with a view of its weight kept
+    as a plain attribute: replica 0 writes the module's weight once, the others their own
+    copy-on-write clones; nothing the replicas share is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Linear(4, 4)
+        self.teacher = nn.Linear(4, 4).requires_grad_(False)
+        self.first_row = self.teacher.weight[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.teacher.weight.mul_(0.5).add_(self.student.weight, alpha=0.5)
+        return self.student(x) + self.teacher(x)
+
+
+def test_a_frozen_parameter_written_once_by_replica_0_is_not_said() -> None:
+    wrapper = dp.DataParallel(Teacher(), ["cpu", "cpu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            wrapper(torch.randn(6, 4))

@@ -76,7 +76,9 @@ class Pass:
     for every holder the pass looked into and left shared (it led nowhere): a write to one
     later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
     pass stopped short (past :data:`MAX_DEPTH` or :data:`MAX_VISITS`): what lies beyond was
-    not searched. ``local`` is the first ``threading.local`` met outside a library's state:
+    not searched. With ``watch``, ``tensors`` lists the tensors met outside a library's state
+    (their data is never walked: ``_holders.Held`` reads their version). ``local`` is the
+    first ``threading.local`` met outside a library's state:
     each thread sees its own attributes there, so a replica on a worker thread would not see
     what the caller's thread set (its replicas then run on the calling thread).
 
@@ -93,6 +95,7 @@ class Pass:
         "local",
         "mapping",
         "memo",
+        "tensors",
         "visits",
         "walked",
         "watch",
@@ -106,12 +109,15 @@ class Pass:
         self.watch = watch
         self.cut = False
         self.local: threading.local | None = None
+        self.tensors: list[torch.Tensor] = []  # with ``watch``: the tensors met, not walked
         self.library = 0  # how deep inside a library's object or function the pass is
         self.visits = 0
 
     def rebind(self, value: Any, depth: int) -> Any:
         kind = type(value)
         if kind in ATOMS:
+            if kind is torch.Tensor and self.watch and not self.library:
+                self.tensors.append(value)  # (read by its version: ``_holders.Held``)
             return value
         if kind is types.MethodType:
             target = self.mapping.get(id(value.__self__))
@@ -157,6 +163,8 @@ class Pass:
         rebind = self.rebind
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
+                if self.watch and not self.library and len(value) <= RECORDS:
+                    self.tensors += [v for v in value if type(v) is torch.Tensor]
                 return value
             if len(value) > RECORDS:  # a table of data: its plain records are not visited
                 items = [v if plain_record(v, type(v)) else rebind(v, deeper) for v in value]

@@ -112,12 +112,16 @@ class Held:
         "sample",
         "sampled",
         "shared",
+        "tensor",
         "version",
     )
 
     def __init__(self, obj: Any, held: list[Any], shared: bool = False) -> None:
         self.obj = obj
         self.held = held
+        # A tensor the replicas share (not a parameter or buffer of the tree: a plain tensor
+        # attribute, a cache in a list): watched by its version alone, as of the last read.
+        self.tensor = isinstance(obj, torch.Tensor)
         # Left shared by the search (it led nowhere): the replicas read this very object. A
         # holder it copied (it leads to the tree) has a copy per replica, which a write to
         # the original, of anything, leaves behind: only a refill brings it along.
@@ -136,7 +140,9 @@ class Held:
 
     def _cheap(self) -> None:
         obj = self.obj
-        if (
+        if self.tensor:
+            self.version = _tensor_version(obj)
+        elif (
             _VERSION is not None
             and isinstance(obj, dict)
             and (self.shared or type(obj).__iter__ is _DICT_ITER)
@@ -166,6 +172,9 @@ class Held:
         """Whether the holder holds what it held, or only grew by items that lead to no module
         of the tree (``probe``: the tree's module ids); then taken as it is now."""
         obj = self.obj
+        if self.tensor:  # (its identity is its holder's to compare: only its version read)
+            self.version = _tensor_version(obj)
+            return True
         version = self.version
         if version is not None:
             own = self.own
@@ -219,6 +228,8 @@ class Held:
         version, a list's length and last item, a small holder's contents; a function (its
         cells) and a large holder of another kind are not read."""
         obj, held = self.obj, self.held
+        if self.tensor:
+            return _tensor_version(obj) != self.version
         if isinstance(obj, dict) and self.version is not None:
             return _VERSION(obj) != self.version  # type: ignore[misc]
         if isinstance(obj, list):
@@ -276,3 +287,12 @@ class Held:
         if len(held) - self.at >= max(1, self.at // SAMPLES):
             self._cheap()  # new places once it grew by one spacing of them (a history: rarely)
         return True
+
+
+def _tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor._version``; ``-1`` for an inference tensor, which has none (and cannot be
+    written outside inference mode)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1

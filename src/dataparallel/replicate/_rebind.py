@@ -145,6 +145,15 @@ class Rebinding:
         """Search the modules at ``indices`` (just refilled) of the tree ``modules``."""
         probe = self.probe = dict.fromkeys(map(id, modules), _PROBE)
         tree = set(probe)
+        # The tree's parameters and buffers: the replica set's to sync, never watched here
+        # (what forward writes of them is ``_written``'s and ``copy_writes_back``'s).
+        own = {
+            id(t)
+            for m in modules
+            for table in (m._parameters, m._buffers)
+            for t in table.values()
+            if t is not None
+        }
         for i in indices:
             d = modules[i].__dict__
             search = Pass(probe, watch=True)
@@ -155,9 +164,17 @@ class Rebinding:
                 self.keys.pop(i, None)
             # Every holder the search read, copied or left shared: a write to one since is a
             # change (a list that led nowhere, later given a module of the tree).
+            # (nor a view of one: it shares its base's version, which replica 0's own write of
+            # a frozen parameter moves once)
+            tensors = {
+                id(t): t
+                for t in search.tensors
+                if id(t) not in own and (t._base is None or id(t._base) not in own)
+            }
             watched = [
                 *(Held(obj, held) for obj, held in search.copied),
                 *(Held(obj, held, shared=True) for obj, held in search.walked),
+                *(Held(t, [], shared=True) for t in tensors.values()),
             ]
             if watched:
                 self.watched[i] = watched
@@ -332,6 +349,8 @@ def bound_keys(
             found.append(CLASS_FORWARD)
     for name, value in d.items():
         if type(value) in ATOMS or name in skipped:
+            if type(value) is torch.Tensor and search.watch and name not in skipped:
+                search.tensors.append(value)  # (a plain tensor attribute: its version read)
             continue
         if look(name, value):
             found.append(name)
@@ -457,6 +476,9 @@ def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> st
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
     for key, value in module.__dict__.items():
+        items = value.values() if type(value) is dict else value if type(value) is list else ()
+        if any(item is obj for item in items):
+            how = f"an item of the attribute {key!r} of {where}"
         if value is obj:
             how = f"the attribute {key!r} of {where}"
     for table in REBOUND_TABLES:
