@@ -116,7 +116,12 @@ class Pass:
     def rebind(self, value: Any, depth: int) -> Any:
         kind = type(value)
         if kind in ATOMS:
-            if kind is torch.Tensor and self.watch and not self.library:
+            if (
+                kind is torch.Tensor
+                and self.watch
+                and not self.library
+                and len(self.tensors) < TENSORS
+            ):
                 self.tensors.append(value)  # (read by its version: ``_holders.Held``)
             return value
         if kind is types.MethodType:
@@ -165,6 +170,7 @@ class Pass:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
                 if self.watch and not self.library and len(value) <= RECORDS:
                     self.tensors += [v for v in value if type(v) is torch.Tensor]
+                    del self.tensors[TENSORS:]
                 return value
             if len(value) > RECORDS:  # a table of data: its plain records are not visited
                 items = [v if plain_record(v, type(v)) else rebind(v, deeper) for v in value]
@@ -399,6 +405,9 @@ def from_library(value: Any, kind: type) -> bool:
 
 RECORD = 16  # a plain record: a dict, list or tuple of at most this many atoms
 RECORDS = 64  # a list or dict longer than this is a table: its plain records are data
+# The most tensors one search records to be read by their version on every call (a table of
+# examples the module carries is data: its tensors past these are not read).
+TENSORS = 64
 
 
 def plain_record(value: Any, kind: type) -> bool:

@@ -350,7 +350,7 @@ def bound_keys(
     for name, value in d.items():
         if type(value) in ATOMS or name in skipped:
             if type(value) is torch.Tensor and search.watch and name not in skipped:
-                search.tensors.append(value)  # (a plain tensor attribute: its version read)
+                search.tensors.insert(0, value)  # (a plain tensor attribute: its version read)
             continue
         if look(name, value):
             found.append(name)
