@@ -96,3 +96,11 @@ def test_a_package_installed_from_an_index_is_a_librarys(site_root: Path) -> Non
     _install(site_root, "userpkg_index", None)
     importlib.import_module("userpkg_index")
     assert _library.library_module("userpkg_index")
+
+
+def test_this_librarys_own_code_is_a_librarys_however_it_is_installed(site_root: Path) -> None:
+    # the library roots hold none of this checkout (an editable install, or ``src`` on the path)
+    assert not any(dp.__file__.startswith(root) for root in _library._LIBRARY_ROOTS)
+    assert _library.library_module("dataparallel.wrapper._results")
+    assert _library.library_file(dp.DataParallel.forward.__code__.co_filename)
+    assert not _library.library_module(__name__)  # the user's code (this test) stays the user's

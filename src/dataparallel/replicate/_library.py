@@ -5,8 +5,10 @@ registry) are the library's state, not the model's; watching them would cost eve
 is a library's when its file lies under the interpreter's standard library or site-packages,
 unless it belongs to a package installed from a local directory (``pip install .`` without
 ``-e``: PEP 610's ``direct_url.json`` with ``dir_info``), which is the user's own project, as
-it is when installed with ``-e``. A function is judged by where its code lies, so a hook of the
-user's decorated with ``functools.wraps(F.relu)`` (which copies ``__module__``) is the user's.
+it is when installed with ``-e``. This library's own code is a library's however it is
+installed: a wrapper inside the model keeps its own per-call state, by its own rules. A
+function is judged by where its code lies, so a hook of the user's decorated with
+``functools.wraps(F.relu)`` (which copies ``__module__``) is the user's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def _library_roots() -> tuple[str, ...]:
 
 
 _LIBRARY_ROOTS = _library_roots()
+# This package's own folder (``.../dataparallel/``), wherever it lies: an editable install too.
+_OWN_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -51,6 +55,8 @@ def library_file(path: str) -> bool:
     if not path or path.startswith("<"):  # (code made by exec or the interpreter)
         return False
     real = os.path.realpath(path)
+    if real.startswith(_OWN_ROOT):
+        return True
     for root in _LIBRARY_ROOTS:
         if real.startswith(root):
             top = real[len(root) :].split(os.sep, 1)[0]

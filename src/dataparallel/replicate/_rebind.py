@@ -104,7 +104,6 @@ def _skipped(cls: type | None) -> frozenset[str]:
 
 # What the search binds in place of a tree module: anything that is no module of the tree.
 _PROBE = object()
-_OWN = __name__.split(".")[0] + "."  # this library's modules: "dataparallel."
 
 _KINDS = {
     "_forward_hooks": "forward hook",
@@ -146,7 +145,9 @@ class Rebinding:
         probe = self.probe = dict.fromkeys(map(id, modules), _PROBE)
         tree = set(probe)
         # The tree's parameters and buffers: the replica set's to sync, never watched here
-        # (what forward writes of them is ``_written``'s and ``copy_writes_back``'s).
+        # (what forward writes of them is ``_written``'s and ``copy_writes_back``'s), nor a
+        # view of one: it shares its base's version, which replica 0's own write of a frozen
+        # parameter moves once.
         own = {
             id(t)
             for m in modules
@@ -164,8 +165,6 @@ class Rebinding:
                 self.keys.pop(i, None)
             # Every holder the search read, copied or left shared: a write to one since is a
             # change (a list that led nowhere, later given a module of the tree).
-            # (nor a view of one: it shares its base's version, which replica 0's own write of
-            # a frozen parameter moves once)
             tensors = {
                 id(t): t
                 for t in search.tensors
@@ -223,9 +222,7 @@ class Rebinding:
             for holder in watched:
                 if holder.shared and id(holder.obj) not in said and holder.written():
                     said.add(id(holder.obj))
-                    message = _written_message(root, i, holder.obj, replicas)
-                    if message is not None:
-                        warn_user(message)
+                    warn_user(_written_message(root, i, holder.obj, replicas))
 
     def reason(self, modules: list[nn.Module], replicas: int) -> str | None:
         """Why the replicas of the tree ``modules`` must run one at a time (``None``: they
@@ -329,9 +326,6 @@ def bound_keys(
     found: list[str] = []
     cut: tuple[str, Any, str] | None = None
     skipped = _skipped(cls)
-    # (a module of this library's own, a wrapper inside the model, keeps its per-thread
-    # bookkeeping in a ``threading.local``: its own rules apply to its replicas)
-    own = cls is not None and cls.__module__.startswith(_OWN)
 
     def look(name: str, value: Any) -> bool:
         nonlocal cut
@@ -339,7 +333,7 @@ def bound_keys(
         changed = search.rebind(value, 0) is not value
         if search.cut and not was and cut is None:
             cut = (name, value, "limit")
-        if search.local is not local and cut is None and not own:
+        if search.local is not local and cut is None:
             cut = (name, value, "thread")
         return changed
 
@@ -463,16 +457,12 @@ def _qualname(obj: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str | None:
+def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str:
     """The warning for ``obj``, a holder the replicas share that forward wrote, found from the
     module at preorder ``index`` of ``root``'s tree (named with the attribute or hook variable
-    that holds it, where one does directly); ``None`` for the state of a module of this
-    library's own (a wrapper inside the model keeps its bookkeeping per call: its own rules
-    apply to its replicas)."""
+    that holds it, where one does directly)."""
     named = list(root.named_modules())  # (preorder, each module once: the set's indices)
     name, module = named[index] if index < len(named) else ("", root)
-    if type(module).__module__.startswith(_OWN):
-        return None
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
     for key, value in module.__dict__.items():
