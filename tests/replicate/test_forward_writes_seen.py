@@ -8,6 +8,7 @@ same module on one device, call after call, on CPU lists whose replicas share th
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -247,3 +248,56 @@ def test_a_frozen_parameter_written_by_a_replica_0_that_is_a_copy_lands_on_the_m
             assert_close_rel(g, w, msg=f"output, call {step}")
         for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
             assert_close_rel(p, q, msg=f"{name}, call {step}")
+
+
+class Flagged(nn.Module):
+    """A frozen counter written only for a chunk that holds a flagged sample (its first
+    feature over 5): the write depends on the chunk, so only the replica holding that sample
+    makes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.seen = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flagged = x[:, 0] > 5
+        if flagged.any():
+            with torch.no_grad():
+                self.seen.add_(x[flagged].sum(0))
+        return self.lin(x) * self.seen  # (a factor: replica 0's graph saves the parameter)
+
+
+@pytest.mark.parametrize("devices", SHARED, ids=str)
+def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
+    devices: list[str],
+) -> None:
+    """Before, the last replica's write went to its own copy-on-write clone and was dropped:
+    ``seen`` stayed at one, off by 10, 20, 30 after three calls, with no word. Now its write
+    lands on the module, once per call, and the first call says that the replicas before it
+    computed with the value from before the write (which one device's would not have).
+    Backward runs: replica 0's graph saved the parameter, and an in-place copy onto it would
+    have made that backward raise."""
+    model = Flagged()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices)
+    for call in range(3):
+        x = torch.randn(6, 4)
+        x[5, 0] = 10.0  # the last sample: the last replica's chunk
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = wrapper(x)
+        want = oracle(x)
+        out.sum().backward()
+        assert_close_rel(model.seen, oracle.seen, msg=f"call {call}: the counter")
+        last = x.shape[0] - wrapper.last_call.chunk_sizes[-1]
+        assert_close_rel(out[last:], want[last:], msg=f"call {call}: the writer's rows")
+        messages = [str(w.message) for w in said]
+        if call == 0:
+            assert len(messages) == 1, messages
+            assert f"parameter 'seen' (it does not require grad) in replica {len(devices) - 1}" in (
+                messages[0]
+            )
+        else:
+            assert messages == [], messages  # said once

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dataparallel._common.warn import warn_user
+
 __all__ = ["WRITES", "ForwardWrites", "check_writes", "resync"]
 
 # The mark on replica 1's ``__dict__`` that ``parallel_apply`` reads after the replicas ran.
@@ -47,6 +49,7 @@ WRITES = "_dataparallel_writes"
 
 _IS_COW: Callable[[torch.Tensor], bool] = torch._C._is_cow_tensor  # type: ignore[attr-defined]
 _LAZY_CLONE = torch._lazy_clone
+_SET_VERSION: Callable[..., None] = torch._C._autograd._unsafe_set_version_counter
 # The data address without the copy ``data_ptr`` makes of a copy-on-write tensor.
 _PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _VERSION_OF = operator.attrgetter("_version")
@@ -57,13 +60,25 @@ class ForwardWrites:
     """Which parameter tensors a replica set's replicas share, the copy-on-write clones that
     keep each replica's writes its own, and the trainable ones guarded during a call."""
 
-    __slots__ = ("before", "clones", "guard", "holders", "params", "shared", "tensors")
+    __slots__ = (
+        "before",
+        "cloned",
+        "clones",
+        "guard",
+        "holders",
+        "landed",
+        "params",
+        "shared",
+        "tensors",
+    )
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params  # the replica set's parameters (a list fixed with the set)
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
         # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
         self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cloned: list[torch.Tensor] = []  # the clones themselves, read after each call
+        self.landed: set[int] = set()  # the slots whose landed write was said
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
         # Their versions, then their data addresses, at the sync (``_marks``).
         self.before: list[int | None] = []
@@ -118,6 +133,7 @@ class ForwardWrites:
             self.guard = tensors
             self.before = _marks(tensors)
             self.clones.clear()
+            self.cloned = []
             return per_device
         guard: dict[int, torch.Tensor] = {}
         frozen: list[int] = []
@@ -131,6 +147,7 @@ class ForwardWrites:
         self.before = _marks(self.guard)
         if not frozen:
             self.clones.clear()
+            self.cloned = []
             return per_device
         clones = self.clones
         kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -151,7 +168,44 @@ class ForwardWrites:
                 mine[i] = entry[1]
             out.append(mine)
         self.clones = kept
+        self.cloned = [entry[1] for entry in kept.values()]
         return out
+
+    def land(self, replica: Any) -> None:
+        """After the replicas ran: a frozen parameter that a replica after the first wrote and
+        replica 0 did not (a write made only for a chunk that holds some sample: a counter of
+        flagged samples) gets that replica's write, the first such replica's, as one device
+        writes it once per call; said once per parameter, since replica 0's chunk (and the
+        others') computed with the value from before it. Read in one pass while no clone was
+        written (the common call: a frozen backbone, or a teacher replica 0 writes too).
+
+        The copy keeps the parameter's version: a graph replica 0 saved it in (a frozen factor)
+        then reads the written value in backward, as one device's graph, whose forward read it
+        after the write, does; an in-place write of ours would make that backward raise."""
+        if all(map(_IS_COW, self.cloned)):
+            return
+        done: set[int] = set()
+        for (j, i), (source, clone) in self.clones.items():
+            # (the clone no longer copy-on-write: replica j wrote it; the source still: no
+            # replica before it did, replica 0 included)
+            if i in done or _IS_COW(clone) or not _IS_COW(source):
+                continue
+            done.add(i)
+            version = source._version
+            with torch.no_grad():
+                source.copy_(clone)
+            _SET_VERSION((source,), (version,))
+            if i not in self.landed:
+                self.landed.add(i)
+                warn_user(
+                    f"module: forward wrote the parameter {_names(replica, [source])[0]} (it "
+                    f"does not require grad) in replica {j} (its chunk), and not in replica 0: "
+                    f"its write was copied onto the module after the call, as one device makes "
+                    f"it once per call, but the replicas before it computed their chunks with "
+                    f"the value from before it, where one device computes every sample after "
+                    f"a write made before the read. To have every sample see it, make the write "
+                    f"outside the wrapped call (from the batch, before model(x)); said once"
+                )
 
     def refuse(self, replica: Any, now: list[int | None]) -> None:
         """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
@@ -193,6 +247,8 @@ def check_writes(replicas: Sequence[Any]) -> None:
                     now = _marks(guard)
                 if now != writes.before:
                     writes.refuse(replicas[0], now)
+            if writes.cloned:
+                writes.land(replicas[0])
             holders = writes.holders
             if holders is not None and holders.watched:
                 holders.said_written(replicas[0], len(replicas))
