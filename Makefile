@@ -54,11 +54,16 @@ lint: $(STAMP)
 # processes at once (pytest-xdist): each file not marked `slow` is a unit of work, its tests
 # together and in order on one worker; the `slow` tests (real processes, end-to-end commands,
 # limits in seconds) run in three chains, each one test at a time on a worker of its own
-# (tests/conftest.py, SLOW_CHAINS), started first since they are the longest.
+# (tests/conftest.py, SLOW_CHAINS), started first since they are the longest. Each worker, and
+# each process a test starts, computes on TEST_THREADS threads (OMP_NUM_THREADS): the workers
+# already fill the cores, and torch's default of one thread per core in each of them made the
+# suite a fifth slower on 2 cores (tests/programs and tests/wrapper: 90 to 101 s against 71 to
+# 78 s). TEST_THREADS= keeps torch's default.
 TEST_WORKERS ?= 5
+TEST_THREADS ?= 1
 test: lint
 	$(BIN)/python -c "$$VERSIONS"
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
+	$(if $(TEST_THREADS),OMP_NUM_THREADS=$(TEST_THREADS) )$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The API reference, the guide and the benchmarks page as HTML in docs/_build/html (open
 # index.html): Sphinx installed into the venv on first use (the `docs` extra), warnings as
