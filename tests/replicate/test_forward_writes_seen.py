@@ -296,8 +296,9 @@ def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
         messages = [str(w.message) for w in said]
         if call == 0:
             assert len(messages) == 1, messages
-            assert f"parameter 'seen' (it does not require grad) in replica {len(devices) - 1}" in (
-                messages[0]
+            assert (
+                f"parameter 'seen' (it does not require grad) in replica {len(devices) - 1}"
+                in (messages[0])
             )
         else:
             assert messages == [], messages  # said once

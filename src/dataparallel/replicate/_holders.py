@@ -225,8 +225,9 @@ class Held:
     def written(self) -> bool:
         """Whether the holder was written since :meth:`still` last read it: read right after
         the replicas ran, a write their forwards made. By the cheap state alone: a dictionary's
-        version, a list's length and last item, a small holder's contents; a function (its
-        cells) and a large holder of another kind are not read."""
+        version, a list's length and last item, a small holder's contents, a function's cells,
+        defaults and the globals it reads (a hook's ``nonlocal count; count += 1``, or its
+        ``global``); a large holder of another kind is not read."""
         obj, held = self.obj, self.held
         if self.tensor:
             return _tensor_version(obj) != self.version
@@ -235,7 +236,7 @@ class Held:
         if isinstance(obj, list):
             n = len(held)
             return len(obj) != n or (n > 0 and obj[n - 1] is not held[n - 1])
-        if isinstance(obj, types.FunctionType) or len(held) > BIG:
+        if len(held) > BIG:
             return False
         now = contents(obj)
         return len(now) != len(held) or not all(map(operator.is_, now, held))

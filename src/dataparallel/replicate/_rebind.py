@@ -465,6 +465,8 @@ def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> st
     name, module = named[index] if index < len(named) else ("", root)
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
+    if obj is getattr(type(module), "forward", None):  # (a ``global`` its forward rebinds)
+        how = f"a variable of the forward {_qualname(obj)} of {where}"
     for key, value in module.__dict__.items():
         items = value.values() if type(value) is dict else value if type(value) is list else ()
         if any(item is obj for item in items):
@@ -474,7 +476,9 @@ def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> st
     for table in REBOUND_TABLES:
         for hook in (module.__dict__.get(table) or {}).values():
             cells = getattr(hook, "__closure__", None) or ()
-            if any(filled(cell) and cell.cell_contents is obj for cell in cells):
+            # (the hook itself: one of its own variables, a ``nonlocal`` or ``global`` it
+            # rebinds; else a holder in one of its variables)
+            if hook is obj or any(filled(cell) and cell.cell_contents is obj for cell in cells):
                 kind = _KINDS.get(table, "hook")
                 how = (
                     f"a variable of the {kind} {_qualname(hook) or type(hook).__name__} of {where}"
