@@ -155,3 +155,59 @@ def test_a_forward_that_writes_nothing_the_replicas_share_is_not_said(
         warnings.simplefilter("error")
         for _ in range(3):
             wrapper(torch.randn(6, 4))
+
+
+CALLS = 0  # a script's counter, rebound by a ``global`` statement in forward
+
+
+class Counted(nn.Module):
+    """Counts its calls in its forward hook's own variable (``nonlocal``) and in a module-level
+    name its forward rebinds (``global``): both the replicas share, both each replica writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        hooked = 0
+
+        def count_rows(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            nonlocal hooked
+            hooked += 1
+
+        self.lin.register_forward_hook(count_rows)
+
+    def hooked(self) -> int:
+        """The hook's count (read from its cell: a getter closing over it would be a second
+        function the replicas share, said apart)."""
+        (hook,) = self.lin._forward_hooks.values()
+        return int(hook.__closure__[0].cell_contents)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global CALLS
+        CALLS += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_variable_a_hook_or_forward_rebinds_is_said(devices: list[str]) -> None:
+    """Before, a ``nonlocal`` or ``global`` counter went up once per replica per call with no
+    word (a function was never read after the call)."""
+    global CALLS
+    model, oracle = Counted(), Counted()
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(6, 4)
+    CALLS = 0
+    with torch.no_grad():
+        said = _said(lambda: wrapper(x))
+        later = _said(lambda: wrapper(x))
+    ours, CALLS = CALLS, 0
+    oracle(x)
+    assert later == []  # once per holder
+    assert len(said) == 2, said
+    assert any(
+        "a variable of the forward hook" in s and "count_rows of module 'lin'" in s for s in said
+    )
+    assert any("a variable of the forward Counted.forward of the module itself" in s for s in said)
+    n = len(devices)  # what was said is what happened
+    assert model.hooked() == 2 * n and oracle.hooked() == 1
+    assert ours == 2 * n and CALLS == 1
