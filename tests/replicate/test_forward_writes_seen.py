@@ -269,11 +269,16 @@ class Flagged(nn.Module):
         return self.lin(x) * self.seen  # (a factor: replica 0's graph saves the parameter)
 
 
-@pytest.mark.parametrize("devices", SHARED, ids=str)
+# Shared (copy-on-write clones), and copies on other devices (replica 0 the module, or a copy)
+WRITERS = [*SHARED, ["cpu", "cpu:1"], ["cpu:1", "cpu:1"], ["cpu:1", "cpu:2"]]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("devices", WRITERS, ids=str)
 def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
-    devices: list[str],
+    devices: list[str], grad: bool
 ) -> None:
-    """Before, the last replica's write went to its own copy-on-write clone and was dropped:
+    """Before, the last replica's write went to its own clone (or copy) and was dropped:
     ``seen`` stayed at one, off by 10, 20, 30 after three calls, with no word. Now its write
     lands on the module, once per call, and the first call says that the replicas before it
     computed with the value from before the write (which one device's would not have).
@@ -285,11 +290,12 @@ def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
     for call in range(3):
         x = torch.randn(6, 4)
         x[5, 0] = 10.0  # the last sample: the last replica's chunk
-        with warnings.catch_warnings(record=True) as said:
+        with warnings.catch_warnings(record=True) as said, torch.set_grad_enabled(grad):
             warnings.simplefilter("always")
             out = wrapper(x)
         want = oracle(x)
-        out.sum().backward()
+        if grad:
+            out.sum().backward()
         assert_close_rel(model.seen, oracle.seen, msg=f"call {call}: the counter")
         last = x.shape[0] - wrapper.last_call.chunk_sizes[-1]
         assert_close_rel(out[last:], want[last:], msg=f"call {call}: the writer's rows")

@@ -62,8 +62,9 @@ class ForwardWrites:
 
     __slots__ = (
         "before",
-        "cloned",
         "clones",
+        "frozen",
+        "frozen_marks",
         "guard",
         "holders",
         "landed",
@@ -77,7 +78,12 @@ class ForwardWrites:
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
         # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
         self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.cloned: list[torch.Tensor] = []  # the clones themselves, read after each call
+        # This call's parameters that do not require grad where a replica after the first has
+        # a tensor of its own (a clone, or a copy on its device): ``(slot, replica)``, then
+        # their tensors (replica 0's for each, then the replica's) and those tensors' marks:
+        # versions and data addresses, and which ones are copy-on-write.
+        self.frozen: tuple[list[tuple[int, int]], list[torch.Tensor]] = ([], [])
+        self.frozen_marks: tuple[list[int | None], list[bool]] = ([], [])
         self.landed: set[int] = set()  # the slots whose landed write was said
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
         # Their versions, then their data addresses, at the sync (``_marks``).
@@ -113,7 +119,31 @@ class ForwardWrites:
     def private(self, per_device: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``per_device`` (each replica's parameter tensors, by slot) with copy-on-write clones
         of the shared tensors that do not require grad for the replicas after the first, and
-        the shared ones that do guarded for this call."""
+        the shared ones that do guarded for this call; the tensors of its own each replica
+        after the first has for a parameter that does not require grad marked (``land``)."""
+        out = self._private(per_device)
+        params = self.params
+        if len(out) < 2 or all(map(_REQUIRES_GRAD, params)):
+            if self.frozen[0]:
+                self.frozen, self.frozen_marks = ([], []), ([], [])
+            return out
+        first = out[0]
+        pairs: list[tuple[int, int]] = []
+        theirs: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            if not p.requires_grad:
+                mine = first[i]
+                for j in range(1, len(out)):
+                    if out[j][i] is not mine:
+                        pairs.append((i, j))
+                        theirs.append(out[j][i])
+        tensors = [*(first[i] for i, _ in pairs), *theirs]
+        self.frozen = (pairs, tensors)
+        self.frozen_marks = (_marks(tensors), list(map(_IS_COW, tensors)))
+        return out
+
+    def _private(self, per_device: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """:meth:`private`'s clones and guard."""
         if self.shared is None:
             self.shared = _shared_slots(per_device)
             self.tensors = [self.params[i] for i in self.shared]
@@ -133,7 +163,6 @@ class ForwardWrites:
             self.guard = tensors
             self.before = _marks(tensors)
             self.clones.clear()
-            self.cloned = []
             return per_device
         guard: dict[int, torch.Tensor] = {}
         frozen: list[int] = []
@@ -147,7 +176,6 @@ class ForwardWrites:
         self.before = _marks(self.guard)
         if not frozen:
             self.clones.clear()
-            self.cloned = []
             return per_device
         clones = self.clones
         kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -168,7 +196,6 @@ class ForwardWrites:
                 mine[i] = entry[1]
             out.append(mine)
         self.clones = kept
-        self.cloned = [entry[1] for entry in kept.values()]
         return out
 
     def land(self, replica: Any) -> None:
@@ -176,24 +203,41 @@ class ForwardWrites:
         replica 0 did not (a write made only for a chunk that holds some sample: a counter of
         flagged samples) gets that replica's write, the first such replica's, as one device
         writes it once per call; said once per parameter, since replica 0's chunk (and the
-        others') computed with the value from before it. Read in one pass while no clone was
-        written (the common call: a frozen backbone, or a teacher replica 0 writes too).
+        others') computed with the value from before it. Each replica's own tensor (a clone on
+        a shared device, a copy on another) and replica 0's are read by their versions and data
+        addresses, marked at the sync, and a copy-on-write one by whether it still is (the last
+        of a pair to be written keeps its memory: only that flag moves, where the write was
+        through ``.data``); in three passes while none was written (a frozen backbone). An
+        in-place write through ``.data`` to a tensor that is not copy-on-write (the module's
+        parameter where the others hold copies on another device) moves neither: where
+        replica 0's is such a tensor, a replica's write lands only if the two now differ (the
+        same write made by both, an EMA through ``.data``, leaves them equal).
 
         The copy keeps the parameter's version: a graph replica 0 saved it in (a frozen factor)
         then reads the written value in backward, as one device's graph, whose forward read it
         after the write, does; an in-place write of ours would make that backward raise."""
-        if all(map(_IS_COW, self.cloned)):
+        pairs, tensors = self.frozen
+        before, cow = self.frozen_marks
+        now, cow_now = _marks(tensors), list(map(_IS_COW, tensors))
+        if now == before and cow_now == cow:
             return
+        n, m = len(pairs), len(tensors)
+        written = [
+            now[k] != before[k] or now[m + k] != before[m + k] or cow[k] > cow_now[k]
+            for k in range(m)
+        ]
         done: set[int] = set()
-        for (j, i), (source, clone) in self.clones.items():
-            # (the clone no longer copy-on-write: replica j wrote it; the source still: no
-            # replica before it did, replica 0 included)
-            if i in done or _IS_COW(clone) or not _IS_COW(source):
+        for k, (i, j) in enumerate(pairs):
+            # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
+            if i in done or not written[n + k] or written[k]:
+                continue
+            source, theirs = tensors[k], tensors[n + k]
+            if not cow[k] and _same(source, theirs):
                 continue
             done.add(i)
             version = source._version
             with torch.no_grad():
-                source.copy_(clone)
+                source.copy_(theirs)
             _SET_VERSION((source,), (version,))
             if i not in self.landed:
                 self.landed.add(i)
@@ -247,11 +291,17 @@ def check_writes(replicas: Sequence[Any]) -> None:
                     now = _marks(guard)
                 if now != writes.before:
                     writes.refuse(replicas[0], now)
-            if writes.cloned:
+            if writes.frozen[0]:
                 writes.land(replicas[0])
             holders = writes.holders
             if holders is not None and holders.watched:
                 holders.said_written(replicas[0], len(replicas))
+
+
+def _same(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether two tensors of one parameter, on any devices, hold the same values."""
+    with torch.no_grad():
+        return mine.shape == theirs.shape and bool(mine.eq(theirs.to(mine.device)).all())
 
 
 def _marks(tensors: list[torch.Tensor]) -> list[int | None]:
