@@ -236,10 +236,36 @@ class Held:
         if isinstance(obj, list):
             n = len(held)
             return len(obj) != n or (n > 0 and obj[n - 1] is not held[n - 1])
+        if isinstance(obj, types.FunctionType):
+            return self._function_written(obj)
         if len(held) > BIG:
             return False
         now = contents(obj)
         return len(now) != len(held) or not all(map(operator.is_, now, held))
+
+    def _function_written(self, obj: types.FunctionType) -> bool:
+        """:meth:`written` for a function: its own part (code, cells, defaults) by identity,
+        and the globals it reads by name only where its module's dictionary was written since
+        :meth:`still` read it (a script's loop writes it on every step, before the call)."""
+        held, own = self.held, self.own
+        if not own:  # (no dictionary versions to read: its own part alone)
+            now = function_own(obj)
+            return len(now) > len(held) or not all(map(operator.is_, now, held))
+        if self.bare:
+            if (
+                obj.__code__ is not held[0]
+                or obj.__defaults__ is not self.defaults
+                or obj.__kwdefaults__ is not None
+            ):
+                return True
+        else:
+            now = function_own(obj)
+            if len(now) != own or not all(map(operator.is_, now, held)):
+                return True
+        g = obj.__globals__
+        if _VERSION(g) == self.version:  # type: ignore[misc]
+            return False
+        return not all(map(operator.is_, [g.get(n, _ABSENT) for n in self.names], held[own:]))
 
     def _plain_globals(self, now: list[Any]) -> bool:
         """Whether every global of a function that changed (``now`` against the held ones,
