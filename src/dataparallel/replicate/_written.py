@@ -70,6 +70,7 @@ class ForwardWrites:
         "landed",
         "params",
         "shared",
+        "slots",
         "tensors",
     )
 
@@ -83,7 +84,9 @@ class ForwardWrites:
         # their tensors (replica 0's for each, then the replica's) and those tensors' marks:
         # versions and data addresses, and which ones are copy-on-write.
         self.frozen: tuple[list[tuple[int, int]], list[torch.Tensor]] = ([], [])
-        self.frozen_marks: tuple[list[int | None], list[bool]] = ([], [])
+        self.frozen_marks: tuple[list[int | None] | None, list[bool]] = (None, [])
+        # ((replicas, each parameter's requires_grad), a getter of the frozen slots, the pairs)
+        self.slots: tuple[tuple[int, list[bool]], Callable[[Any], Any], list[Any]] | None = None
         self.landed: set[int] = set()  # the slots whose landed write was said
         self.guard: list[torch.Tensor] = []  # shared tensors that require grad, this call
         # Their versions, then their data addresses, at the sync (``_marks``).
@@ -125,21 +128,27 @@ class ForwardWrites:
         params = self.params
         if len(out) < 2 or all(map(_REQUIRES_GRAD, params)):
             if self.frozen[0]:
-                self.frozen, self.frozen_marks = ([], []), ([], [])
+                self.frozen, self.frozen_marks = ([], []), (None, [])
             return out
-        first = out[0]
-        pairs: list[tuple[int, int]] = []
-        theirs: list[torch.Tensor] = []
-        for i, p in enumerate(params):
-            if not p.requires_grad:
-                mine = first[i]
-                for j in range(1, len(out)):
-                    if out[j][i] is not mine:
-                        pairs.append((i, j))
-                        theirs.append(out[j][i])
-        tensors = [*(first[i] for i, _ in pairs), *theirs]
+        # The slots that do not require grad, and a getter of them, kept while the flags are
+        # as they were (read in one pass: they change without any write we could see).
+        key = (len(out), list(map(_REQUIRES_GRAD, params)))
+        kept = self.slots
+        if kept is None or kept[0] != key:
+            frozen = [i for i, flag in enumerate(key[1]) if not flag]
+            pairs = [(i, j) for j in range(1, len(out)) for i in frozen]
+            # (a tuple even for one slot: the first slot again, sliced off)
+            self.slots = kept = (key, operator.itemgetter(*frozen, frozen[0]), pairs)
+        _, take, pairs = kept
+        n = len(pairs) // (len(out) - 1)
+        tensors = [*take(out[0])[:n]] * (len(out) - 1)  # replica 0's, once per other replica
+        for j in range(1, len(out)):
+            tensors += take(out[j])[:n]
         self.frozen = (pairs, tensors)
-        self.frozen_marks = (_marks(tensors), list(map(_IS_COW, tensors)))
+        cow = list(map(_IS_COW, tensors))
+        # (every one copy-on-write, the clones on a shared device and their sources: a write
+        # to one clears its flag, so no versions or addresses are needed)
+        self.frozen_marks = (None if all(cow) else _marks(tensors), cow)
         return out
 
     def _private(self, per_device: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -218,14 +227,19 @@ class ForwardWrites:
         after the write, does; an in-place write of ours would make that backward raise."""
         pairs, tensors = self.frozen
         before, cow = self.frozen_marks
-        now, cow_now = _marks(tensors), list(map(_IS_COW, tensors))
-        if now == before and cow_now == cow:
-            return
         n, m = len(pairs), len(tensors)
-        written = [
-            now[k] != before[k] or now[m + k] != before[m + k] or cow[k] > cow_now[k]
-            for k in range(m)
-        ]
+        if before is None:  # (all copy-on-write at the sync)
+            if all(map(_IS_COW, tensors[n:])):  # no replica after the first wrote
+                return
+            written = [not flag for flag in map(_IS_COW, tensors)]
+        else:
+            now, cow_now = _marks(tensors), list(map(_IS_COW, tensors))
+            if now == before and cow_now == cow:
+                return
+            written = [
+                now[k] != before[k] or now[m + k] != before[m + k] or cow[k] > cow_now[k]
+                for k in range(m)
+            ]
         done: set[int] = set()
         for k, (i, j) in enumerate(pairs):
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
