@@ -308,3 +308,39 @@ def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
             )
         else:
             assert messages == [], messages  # said once
+
+
+class RunningStat(nn.Module):
+    """A frozen running mean every replica writes through ``.data`` in place, from its own
+    chunk: as BatchNorm's statistics, the module keeps replica 0's (its chunk's) write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.u = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.u.data.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.lin(x) + self.u
+
+
+@pytest.mark.parametrize("devices", [*WRITERS, ["cpu", "cpu:1", "cpu:1"]], ids=str)
+def test_a_frozen_parameter_every_replica_writes_through_data_keeps_replica_0s_write(
+    devices: list[str],
+) -> None:
+    """Found by stop 75's probe: on ``["cpu", "cpu:1", "cpu:1"]`` replica 0's write through
+    ``.data`` to the module's parameter shows nowhere, while replica 1's to its copy (the
+    source of replica 2's clone) clears a copy-on-write flag: replica 1's write was copied
+    over replica 0's, with a warning that replica 0 had not written (off by 0.8 after one
+    call). The module keeps replica 0's write, with no word, on every list."""
+    model = RunningStat()
+    oracle = copy.deepcopy(model)  # replica 0's chunk alone, as BatchNorm's rule
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.arange(24.0).reshape(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            wrapper(x)
+    oracle(x[: wrapper.last_call.chunk_sizes[0]])
+    assert_close_rel(model.u, oracle.u, msg="the running mean")

@@ -211,16 +211,19 @@ class ForwardWrites:
         """After the replicas ran: a frozen parameter that a replica after the first wrote and
         replica 0 did not (a write made only for a chunk that holds some sample: a counter of
         flagged samples) gets that replica's write, the first such replica's, as one device
-        writes it once per call; said once per parameter, since replica 0's chunk (and the
-        others') computed with the value from before it. Each replica's own tensor (a clone on
-        a shared device, a copy on another) and replica 0's are read by their versions and data
+        writes it once per call; said once per parameter, since every other replica computed
+        its chunk with the value from before it. Each replica's own tensor (a clone on a shared
+        device, a copy on another) and replica 0's are read by their versions and data
         addresses, marked at the sync, and a copy-on-write one by whether it still is (the last
         of a pair to be written keeps its memory: only that flag moves, where the write was
-        through ``.data``); in three passes while none was written (a frozen backbone). An
-        in-place write through ``.data`` to a tensor that is not copy-on-write (the module's
-        parameter where the others hold copies on another device) moves neither: where
-        replica 0's is such a tensor, a replica's write lands only if the two now differ (the
-        same write made by both, an EMA through ``.data``, leaves them equal).
+        through ``.data``); in three passes while none was written (a frozen backbone).
+
+        An in-place write through ``.data`` moves no version or address of a tensor that is not
+        copy-on-write (a copy on another device, the module's parameter where the others hold
+        copies): a later replica's such write is not seen, and where replica 0's tensor is such
+        a tensor while the writer's was copy-on-write, the writer's write without a version
+        (through ``.data``) lands only if replica 0's would have shown: never, so an EMA made
+        through ``.data`` by every replica keeps replica 0's, as it should.
 
         The copy keeps the parameter's version: a graph replica 0 saved it in (a frozen factor)
         then reads the written value in backward, as one device's graph, whose forward read it
@@ -245,9 +248,9 @@ class ForwardWrites:
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
             if i in done or not written[n + k] or written[k]:
                 continue
+            if before is not None and not cow[k] and cow[n + k] and now[n + k] == before[n + k]:
+                continue  # (through ``.data``: replica 0's own such write would not show)
             source, theirs = tensors[k], tensors[n + k]
-            if not cow[k] and _same(source, theirs):
-                continue
             done.add(i)
             version = source._version
             with torch.no_grad():
@@ -259,9 +262,9 @@ class ForwardWrites:
                     f"module: forward wrote the parameter {_names(replica, [source])[0]} (it "
                     f"does not require grad) in replica {j} (its chunk), and not in replica 0: "
                     f"its write was copied onto the module after the call, as one device makes "
-                    f"it once per call, but the replicas before it computed their chunks with "
-                    f"the value from before it, where one device computes every sample after "
-                    f"a write made before the read. To have every sample see it, make the write "
+                    f"it once per call, but every other replica computed its chunk with the "
+                    f"value from before it, where one device computes every sample after a "
+                    f"write made before the read. To have every sample see it, make the write "
                     f"outside the wrapped call (from the batch, before model(x)); said once"
                 )
 
@@ -310,12 +313,6 @@ def check_writes(replicas: Sequence[Any]) -> None:
             holders = writes.holders
             if holders is not None and holders.watched:
                 holders.said_written(replicas[0], len(replicas))
-
-
-def _same(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """Whether two tensors of one parameter, on any devices, hold the same values."""
-    with torch.no_grad():
-        return mine.shape == theirs.shape and bool(mine.eq(theirs.to(mine.device)).all())
 
 
 def _marks(tensors: list[torch.Tensor]) -> list[int | None]:
