@@ -220,10 +220,10 @@ class ForwardWrites:
 
         An in-place write through ``.data`` moves no version or address of a tensor that is not
         copy-on-write (a copy on another device, the module's parameter where the others hold
-        copies): a later replica's such write is not seen, and where replica 0's tensor is such
-        a tensor while the writer's was copy-on-write, the writer's write without a version
-        (through ``.data``) lands only if replica 0's would have shown: never, so an EMA made
-        through ``.data`` by every replica keeps replica 0's, as it should.
+        copies), so a later replica's such write is not seen. Where replica 0's tensor is of
+        that kind, a write through ``.data`` (no version moved) by a replica whose tensor was a
+        clone does not land either: replica 0's own such write could not have shown, and a
+        running statistic every replica writes keeps replica 0's, as BatchNorm's does.
 
         The copy keeps the parameter's version: a graph replica 0 saved it in (a frozen factor)
         then reads the written value in backward, as one device's graph, whose forward read it
