@@ -115,6 +115,7 @@ SLOW_CHAINS = {
         "tests/distributed/test_gather_counts.py",
         "tests/app/test_checkpoint_damage.py",
         "tests/wrapper/test_warm_fork.py",
+        "tests/replicate/test_writes_at_once.py",
     ),
     "slow: commands": (
         "tests/test_readme.py",

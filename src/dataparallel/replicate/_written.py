@@ -17,7 +17,12 @@ value; a row rotation keeps the sum and norm), on every call:
   (``torch._lazy_clone``): it shares the module's memory until one of the two is written, by
   any route (in place, through ``.data``, ``_foreach_*``), and then the writer gets its own
   copy. So replica 0 (the module itself) writes the module's parameter once, the others write
-  their own, and a frozen backbone that forward never writes costs no memory at all. A clone
+  their own, and a frozen backbone that forward never writes costs no memory at all. Each
+  pair is made with a third holder of the memory that no replica writes (an anchor), so no
+  write during the call is the last one to it: torch gives the last writer the memory itself
+  while a concurrent writer may still be copying it (a race in torch 2.13's copy-on-write
+  that corrupts the heap: ``free(): unaligned chunk``), and every writer copies instead.
+  The anchor is dropped after a call that wrote the pair. A clone
   is kept across calls: while both sides are unwritten as it is, else with its data rebound
   to a new clone of the module's value (``resync``). It is the same tensor object, so an
   earlier call's pending backward reads what a later call's forward wrote into it, as it
@@ -53,6 +58,8 @@ _SET_VERSION: Callable[..., None] = torch._C._autograd._unsafe_set_version_count
 # The data address without the copy ``data_ptr`` makes of a copy-on-write tensor.
 _PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _VERSION_OF = operator.attrgetter("_version")
+# A clones entry: the tensor cloned, its clone, and their anchor (``_pair``).
+Pair = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -77,8 +84,9 @@ class ForwardWrites:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.params = params  # the replica set's parameters (a list fixed with the set)
         self.shared: list[int] | None = None  # slots shared by two replicas (read at 1st sync)
-        # (replica, slot) -> (the tensor cloned, its clone): kept while neither was written
-        self.clones: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (replica, slot) -> (the tensor cloned, its clone, their anchor or None): kept while
+        # neither was written
+        self.clones: dict[tuple[int, int], Pair] = {}
         # This call's parameters that do not require grad where a replica after the first has
         # a tensor of its own (a clone, or a copy on its device): ``(slot, replica)``, then
         # their tensors (replica 0's for each, then the replica's) and those tensors' marks:
@@ -187,7 +195,7 @@ class ForwardWrites:
             self.clones.clear()
             return per_device
         clones = self.clones
-        kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        kept: dict[tuple[int, int], Pair] = {}
         out = [per_device[0]]
         for j in range(1, len(per_device)):
             mine = list(per_device[j])
@@ -195,12 +203,12 @@ class ForwardWrites:
                 source = mine[i]
                 entry = clones.get((j, i))
                 if entry is None or entry[0] is not source:
-                    entry = (source, _clone(source))
+                    entry = _pair(source, _clone(source))
                 elif not (_IS_COW(source) and _IS_COW(entry[1])):
                     # The same clone object, its data rebound to the module's value: a graph
                     # an earlier call saved it in then reads what this call's forward writes,
                     # as on one device (a spectral norm's ``u``, two calls, one backward).
-                    entry = (source, resync(entry[1], _clone(source)))
+                    entry = _pair(source, resync(entry[1], _clone(source)))
                 kept[j, i] = entry
                 mine[i] = entry[1]
             out.append(mine)
@@ -214,9 +222,9 @@ class ForwardWrites:
         writes it once per call; said once per parameter, since every other replica computed
         its chunk with the value from before it. Each replica's own tensor (a clone on a shared
         device, a copy on another) and replica 0's are read by their versions and data
-        addresses, marked at the sync, and a copy-on-write one by whether it still is (the last
-        of a pair to be written keeps its memory: only that flag moves, where the write was
-        through ``.data``); in three passes while none was written (a frozen backbone).
+        addresses, marked at the sync, and a copy-on-write one by whether it still is (a write
+        through ``.data`` moves no version: that flag does move); in three passes while none
+        was written (a frozen backbone).
 
         An in-place write through ``.data`` moves no version or address of a tensor that is not
         copy-on-write (a copy on another device, the module's parameter where the others hold
@@ -243,6 +251,14 @@ class ForwardWrites:
                 now[k] != before[k] or now[m + k] != before[m + k] or cow[k] > cow_now[k]
                 for k in range(m)
             ]
+        clones = self.clones
+        for k, (i, j) in enumerate(pairs):
+            # (a pair either side of which was written is made again at the next call: its
+            # anchor, now perhaps the only holder of the memory from before, goes now)
+            if written[k] or written[n + k]:
+                entry = clones.get((j, i))
+                if entry is not None and entry[2] is not None:
+                    clones[j, i] = (entry[0], entry[1], None)
         done: set[int] = set()
         for k, (i, j) in enumerate(pairs):
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
@@ -377,6 +393,15 @@ def resync(kept: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # incompatible tensor types
         return fresh
     return kept
+
+
+def _pair(source: torch.Tensor, clone: torch.Tensor) -> Pair:
+    """A clones entry: ``source``, its ``clone``, and a third copy-on-write holder of their
+    memory (``None`` where ``clone`` is a plain copy), which no replica is given. While it
+    lives no replica's write is the last one to the memory, so each writer copies it: torch
+    hands the last writer the memory itself, unguarded against a writer of the other side
+    that is still copying it in another thread, and the heap is corrupted (torch 2.13)."""
+    return source, clone, _LAZY_CLONE(clone) if _IS_COW(clone) else None
 
 
 def _clone(tensor: torch.Tensor) -> torch.Tensor:
