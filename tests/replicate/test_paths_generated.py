@@ -8,6 +8,8 @@ the original bound method, or a module-level name read by a hook or by the class
 Between calls the path may change: its innermost mutable holder retargeted to another
 submodule, the hook swapped for another, or a new path assigned. Every output, gradient and
 the counters' state must equal the same model run on one device, on the three device lists.
+The path may lead to a parameter of the tree instead (a frozen tally, written through it in
+forward): each replica must write its own (issue 60, M1).
 
 The oracle is a deep copy of the model run on the whole batch; the rule for state a forward
 writes is replica 0's writes, which here equal one device's (each replica counts one call).
@@ -68,6 +70,7 @@ MUTABLE = (
 )
 ROUTES = ("call", "hook", "prehook", "instance_forward", "global", "global_call")
 CHANGES = ("none", "retarget", "swap_hook", "reassign", "fill", "retype", "slot")
+TARGETS = ("module", "param")  # what the path leads to: a submodule, or a parameter of one
 
 Pair = namedtuple("Pair", ["a", "b"])
 
@@ -112,6 +115,17 @@ def _ident(value: Any) -> Any:
 
 def _closure(value: Any) -> Callable[[], Any]:
     return lambda: value
+
+
+def reach(target: Any, y: torch.Tensor) -> torch.Tensor:
+    """Use what a path led to: call a module (or a function), or write a parameter (a frozen
+    tally, one more per forward) and scale by it."""
+    if isinstance(target, torch.Tensor):  # (a replica's own: a tensor, as torch's are)
+        with torch.no_grad():
+            target.add_(1.0)
+        return y * target
+    out: torch.Tensor = target(y)
+    return out
 
 
 def wrap(kind: str, inner: Any) -> Any:
@@ -173,6 +187,7 @@ class Counter(nn.Module):
     def __init__(self, scale: float) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.full((4,), scale))
+        self.tally = nn.Parameter(torch.full((4,), scale), requires_grad=False)
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,16 +199,18 @@ GLOBAL_PATHS: dict[int, Any] = {}  # the module-level name a "global" route's ho
 
 
 class Model(nn.Module):
-    def __init__(self, kinds: tuple[str, ...], route: str, idle: bool = False) -> None:
+    def __init__(
+        self, kinds: tuple[str, ...], route: str, idle: bool = False, target: str = "module"
+    ) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.counter = Counter(0.5)
         self.other = Counter(-0.25)
-        self.kinds, self.route = kinds, route
+        self.kinds, self.route, self.target = kinds, route, target
         self.key = id(self)  # the module-level entry of the "global" routes (replicas copy it)
         # ``idle``: the path leads nowhere (a plain function) until ``fill`` writes a module
         # of the tree into one of its holders, in place
-        path: Any = _ident if idle else self.counter
+        path: Any = _ident if idle else self.end(self.counter)
         self.holders: list[Any] = []  # innermost first, for a retarget
         for kind in kinds:
             path = wrap(kind, path)
@@ -201,34 +218,38 @@ class Model(nn.Module):
         self.handle: Any = None
         self.install(path)
 
+    def end(self, counter: Counter) -> Any:
+        """What a path leads to: ``counter``, or its tally."""
+        return counter.tally if self.target == "param" else counter
+
     def install(self, path: Any) -> None:
         kinds, lin = self.kinds, self.lin
         if self.route == "call":
             self.path = path
         elif self.route == "hook":
-            self.handle = lin.register_forward_hook(lambda m, i, o: follow(kinds, path)(o))
+            self.handle = lin.register_forward_hook(lambda m, i, o: reach(follow(kinds, path), o))
         elif self.route == "prehook":
             self.handle = lin.register_forward_pre_hook(
-                lambda m, args: (follow(kinds, path)(args[0]),)
+                lambda m, args: (reach(follow(kinds, path), args[0]),)
             )
         elif self.route == "instance_forward":
             orig = lin.forward
-            lin.forward = types.MethodType(lambda s, x: follow(kinds, path)(orig(x)), lin)
+            lin.forward = types.MethodType(lambda s, x: reach(follow(kinds, path), orig(x)), lin)
         elif self.route == "global_call":  # the class's forward reads a module-level name
             GLOBAL_PATHS[self.key] = path
         else:  # "global": the hook reads a module-level name
             key = self.key
             GLOBAL_PATHS[key] = path
             self.handle = lin.register_forward_hook(
-                lambda m, i, o: follow(kinds, GLOBAL_PATHS[key])(o)
+                lambda m, i, o: reach(follow(kinds, GLOBAL_PATHS[key]), o)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         if self.route == "call":
-            y = follow(self.kinds, self.path)(y)
+            y = reach(follow(self.kinds, self.path), y)
         elif self.route == "global_call":
-            y = follow(self.kinds, GLOBAL_PATHS[self.key])(y)
+            y = reach(follow(self.kinds, GLOBAL_PATHS[self.key]), y)
         return y.tanh()
 
 
@@ -237,13 +258,13 @@ def change(model: Model, what: str) -> None:
     if what == "retarget":
         for i, (kind, holder) in enumerate(zip(model.kinds, model.holders, strict=True)):
             if kind in MUTABLE:  # the innermost mutable holder: a path to the other module
-                inner: Any = model.other
+                inner: Any = model.end(model.other)
                 for inner_kind in model.kinds[:i]:
                     inner = wrap(inner_kind, inner)
                 retarget(kind, holder, inner)
                 return
     elif what == "reassign":  # a new path of the same kinds, assigned where the old one was
-        path: Any = model.other
+        path: Any = model.end(model.other)
         for kind in model.kinds:
             path = wrap(kind, path)
         if model.route == "call":
@@ -253,12 +274,12 @@ def change(model: Model, what: str) -> None:
     elif what == "fill":  # the innermost mutable holder of an idle path: the counter
         for i, (kind, holder) in enumerate(zip(model.kinds, model.holders, strict=True)):
             if kind in MUTABLE:
-                inner = model.counter
+                inner = model.end(model.counter)
                 for inner_kind in model.kinds[:i]:
                     inner = wrap(inner_kind, inner)
                 retarget(kind, holder, inner)
                 return
-    elif what in ("retype", "slot") and model.kinds[:1] == ("object",):
+    elif what in ("retype", "slot") and model.kinds[:1] == ("object",) and model.target == "module":
         innermost = model.holders[0]  # holds the counter itself
         if what == "retype":
             innermost.__class__ = Twin
@@ -267,16 +288,18 @@ def change(model: Model, what: str) -> None:
     elif what == "swap_hook" and model.handle is not None:
         model.handle.remove()
         model.kinds = ()
-        model.install(model.other)  # an equivalent hook, to another module
+        model.install(model.end(model.other))  # an equivalent hook, to another module
 
 
-def check(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> None:
+def check(
+    kinds: tuple[str, ...], route: str, what: str, devices: list[str], target: str = "module"
+) -> None:
     # The oracle is built the same way, not deep-copied: a copy would share the hooks'
     # functions, and with them the paths to the model's own modules.
     torch.manual_seed(0)
-    model = Model(kinds, route, idle=what == "fill")
+    model = Model(kinds, route, idle=what == "fill", target=target)
     torch.manual_seed(0)
-    oracle = Model(kinds, route, idle=what == "fill")
+    oracle = Model(kinds, route, idle=what == "fill", target=target)
     wrapper = dp.DataParallel(model, devices)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
@@ -288,11 +311,12 @@ def check(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> 
             warnings.simplefilter("ignore")  # a serial run warns; the values are the test
             out = wrapper(x)
         want = oracle(x)
-        where = f"{route} through {kinds}, change {what}, call {step}"
+        where = f"{route} through {kinds} to a {target}, change {what}, call {step}"
         assert_close_rel(out, want, msg=f"{where}: output")
         out.square().sum().backward()
         want.square().sum().backward()
         for (name, p), q in zip(model.named_parameters(), oracle.parameters(), strict=True):
+            assert_close_rel(p, q, msg=f"{where}: parameter {name}")
             assert (p.grad is None) == (q.grad is None), f"{where}: grad of {name}"
             if p.grad is not None:
                 assert_close_rel(p.grad, q.grad, msg=f"{where}: grad of {name}")
@@ -312,11 +336,12 @@ def check(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> 
     route=st.sampled_from(ROUTES),
     what=st.sampled_from(CHANGES),
     devices=st.sampled_from(DEVICE_LISTS),
+    target=st.sampled_from(TARGETS),
 )
 def test_every_path_to_a_submodule_runs_on_its_replica(
-    kinds: tuple[str, ...], route: str, what: str, devices: list[str]
+    kinds: tuple[str, ...], route: str, what: str, devices: list[str], target: str
 ) -> None:
-    check(kinds, route, what, devices)
+    check(kinds, route, what, devices, target)
 
 
 # What the generator found, kept by name (the issue's findings among them).
@@ -348,12 +373,32 @@ FOUND = [
     pytest.param(("chainmap",), "prehook", "fill", id="chainmap-filled-later"),
     pytest.param(("argns",), "call", "fill", id="argparse-namespace-filled-later"),
 ]
+# issue 60, M1: a path to a parameter of the tree, written through it in forward
+FOUND_PARAMS = [
+    pytest.param(("list",), "call", "none", id="param-in-a-list"),
+    pytest.param(("tuple", "dict"), "hook", "none", id="param-in-a-dict-in-a-tuple-hook"),
+    pytest.param(("closure",), "prehook", "none", id="param-in-a-closure-pre-hook"),
+    pytest.param(("object", "partial"), "global", "none", id="param-through-a-global"),
+    pytest.param(("dataclass",), "global_call", "none", id="param-global-in-class-forward"),
+    pytest.param(("list",), "call", "retarget", id="param-list-item-set-between-calls"),
+    pytest.param(("namedtuple",), "instance_forward", "none", id="param-instance-forward"),
+    pytest.param(("deque",), "hook", "swap_hook", id="param-hook-swapped"),
+    pytest.param(("userdict",), "call", "fill", id="param-filled-later"),
+]
 
 
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
 @pytest.mark.parametrize(("kinds", "route", "what"), FOUND)
 def test_found_paths(kinds: tuple[str, ...], route: str, what: str, devices: list[str]) -> None:
     check(kinds, route, what, devices)
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+@pytest.mark.parametrize(("kinds", "route", "what"), FOUND_PARAMS)
+def test_found_paths_to_a_parameter(
+    kinds: tuple[str, ...], route: str, what: str, devices: list[str]
+) -> None:
+    check(kinds, route, what, devices, target="param")
 
 
 class Ordered(nn.Module):

@@ -82,6 +82,11 @@ class Pass:
     each thread sees its own attributes there, so a replica on a worker thread would not see
     what the caller's thread set (its replicas then run on the calling thread).
 
+    ``params`` maps each parameter of the tree (by id) to what to bind in its place, as
+    ``mapping`` does modules: a holder built from them (``self.ema = list(teacher.parameters())``)
+    would give every replica the module's own tensors, which each then writes (an EMA made
+    once per replica per call) or reads on the wrong device. ``bound`` is set once one was met.
+
     Code and objects of installed packages and the standard library (:func:`from_library`)
     are searched for the tree as any other, but are not watched, and a search that stops
     short inside them is not a cut: their state is the library's (loggers, configs,
@@ -89,20 +94,26 @@ class Pass:
     """
 
     __slots__ = (
+        "bound",
         "copied",
         "cut",
         "library",
         "local",
         "mapping",
         "memo",
+        "params",
         "tensors",
         "visits",
         "walked",
         "watch",
     )
 
-    def __init__(self, mapping: Mapping, watch: bool = False) -> None:
+    def __init__(
+        self, mapping: Mapping, watch: bool = False, params: Mapping | None = None
+    ) -> None:
         self.mapping = mapping
+        self.params: Mapping = params or {}
+        self.bound = False
         self.memo: dict[int, Any] = {}
         self.copied: list[tuple[Any, list[Any]]] = []
         self.walked: list[tuple[Any, list[Any]]] = []
@@ -116,6 +127,8 @@ class Pass:
     def rebind(self, value: Any, depth: int) -> Any:
         kind = type(value)
         if kind in ATOMS:
+            if kind is nn.Parameter and self.params:
+                return self._param(value)
             if (
                 kind is torch.Tensor
                 and self.watch
@@ -136,7 +149,7 @@ class Pass:
         if isinstance(value, nn.Module):
             return self.mapping.get(id(value), value)
         if isinstance(value, _OPAQUE):
-            return value
+            return self._param(value) if isinstance(value, nn.Parameter) else value
         if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
             if self.local is None and not self.library:
                 self.local = value
@@ -168,6 +181,9 @@ class Pass:
         rebind = self.rebind
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
+                params = self.params
+                if params and any([id(v) in params for v in value]):
+                    return kind(map(self._param, value))
                 if self.watch and not self.library and len(value) <= RECORDS:
                     self.tensors += [v for v in value if type(v) is torch.Tensor]
                     del self.tensors[TENSORS:]
@@ -249,6 +265,14 @@ class Pass:
             fresh.setdefault(key, held)
         fresh.update(changed)
         return new
+
+    def _param(self, value: Any) -> Any:
+        """What ``params`` binds in place of ``value`` (itself where nothing)."""
+        mapped = self.params.get(id(value))
+        if mapped is None:
+            return value
+        self.bound = True
+        return mapped
 
     def _keyed(self, value: dict[Any, Any], kind: type, deeper: int) -> Any:
         """A dict some of whose keys are not atoms (``{module: name}``, as a hook that names

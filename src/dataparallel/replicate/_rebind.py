@@ -127,10 +127,13 @@ class Rebinding:
     run one at a time);
     ``watched``: per module, each holder its replicas hold a rebuilt copy of (a list of
     submodules, a closure's cells, an object of the user's own), with what it held then: a
-    write to one since (``order.append(m)``, ``route["k"] = m``) refills that module.
+    write to one since (``order.append(m)``, ``route["k"] = m``) refills that module;
+    ``params``: the modules some of whose entries hold a parameter of the tree (a list of a
+    teacher's parameters made in ``__init__``), which each replica's install binds to that
+    replica's own tensors (:meth:`bind_params`), as they may change at every call.
     """
 
-    __slots__ = ("keys", "probe", "serial", "told", "warned", "watched")
+    __slots__ = ("keys", "params", "probe", "serial", "told", "warned", "watched")
 
     def __init__(self) -> None:
         self.told: set[int] = set()  # the holders said written in forward (their ids)
@@ -139,6 +142,7 @@ class Rebinding:
         self.watched: dict[int, list[Held]] = {}
         self.warned = False
         self.probe: Mapping = {}  # the tree's module ids, as of the last search
+        self.params: set[int] = set()
 
     def plan(self, modules: list[nn.Module], indices: Any) -> None:
         """Search the modules at ``indices`` (just refilled) of the tree ``modules``."""
@@ -155,14 +159,19 @@ class Rebinding:
             for t in table.values()
             if t is not None
         }
+        params = {id(p): _PROBE for m in modules for p in m._parameters.values() if p is not None}
         for i in indices:
             d = modules[i].__dict__
-            search = Pass(probe, watch=True)
+            search = Pass(probe, watch=True, params=params)
             keys, cut = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
             else:
                 self.keys.pop(i, None)
+            if search.bound:
+                self.params.add(i)
+            else:
+                self.params.discard(i)
             # Every holder the search read, copied or left shared: a write to one since is a
             # change (a list that led nowhere, later given a module of the tree).
             tensors = {
@@ -190,6 +199,29 @@ class Rebinding:
         device (in the same preorder): one per replica, so what two modules share stays
         shared."""
         return Pass(dict(zip(map(id, modules), objects, strict=True)))
+
+    def bind_params(
+        self,
+        sources: list[nn.Module],
+        modules: list[nn.Module],
+        indices: list[int],
+        params: Sequence[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
+    ) -> None:
+        """Rebind, in one replica (its modules ``modules``, in the preorder of the tree
+        ``sources``), the entries of the modules at ``indices`` that hold parameters of the
+        tree (``params``, by slot) to the replica's own tensors for them (``tensors``): from
+        each source module's own entries, so this call's tensors replace the last call's."""
+        search = Pass(
+            dict(zip(map(id, sources), modules, strict=True)),
+            params=dict(zip(map(id, params), tensors, strict=True)),
+        )
+        for i in sorted(indices):
+            keys = self.keys.get(i, ())
+            source = sources[i].__dict__
+            values = {name: source[name] for name in keys if name in source}
+            rebind_state(values, keys, search, modules[i])
+            modules[i].__dict__.update(values)
 
     def same(self) -> bool:
         """Whether every holder the replicas copied still holds what it held (identities; a

@@ -352,6 +352,14 @@ class Replicas(TensorSync):
                     d["_buffers"].update(
                         zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
                     )
+            if new_params and self.rebinding.params:  # (a holder of parameters of the tree)
+                self.rebinding.bind_params(
+                    self.modules(root),
+                    [n.module for n in replica.nodes],
+                    [i for i in self.rebinding.params if not self.sources[i].custom],
+                    self.params,
+                    tensors,
+                )
             replica.params_in, replica.buffers_in = tensors, buffers
 
     def _roots(self, root: nn.Module) -> list[nn.Module]:
