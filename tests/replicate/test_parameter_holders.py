@@ -156,3 +156,41 @@ def test_a_trainable_parameter_read_through_a_holder_is_each_replicas_own(
     out.square().sum().backward()
     want.square().sum().backward()
     assert_close_rel(par.emb.weight.grad, ref.emb.weight.grad)
+
+
+class HeldStats(nn.Module):
+    """An EMA teacher whose BatchNorm statistics forward averages from the student's, through
+    lists of both made in ``__init__`` (a mean teacher that keeps its buffers in step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False).eval()
+        self.student[1].running_mean.uniform_(-1.0, 1.0)  # (statistics the teacher moves to)
+        self.student[1].running_var.uniform_(0.5, 2.0)
+        floats = [b for b in self.teacher.buffers() if b.is_floating_point()]
+        self.held = (floats, [b for b in self.student.buffers() if b.is_floating_point()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            torch._foreach_lerp_(self.held[0], self.held[1], 0.5)
+        return self.student(x) + self.teacher(x)
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=str)
+def test_a_teacher_buffer_written_through_a_holder_is_written_once_per_call(
+    devices: list[str],
+) -> None:
+    """Buffers too: replica 0 writes the module's, every other replica its own copy (before:
+    every replica wrote the module's, the average taken once per replica per call)."""
+    ref, par = HeldStats(), HeldStats()
+    wrapper = dp.DataParallel(par, devices)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(6, 4, generator=gen)
+        with torch.no_grad():  # (the student's statistics are replica 0's chunk's: not compared)
+            ref.student.eval(), par.student.eval()
+            assert_close_rel(wrapper(x), ref(x), msg=f"output, call {step}")
+        for (name, b), c in zip(par.teacher.named_buffers(), ref.teacher.buffers(), strict=True):
+            assert_close_rel(b, c, msg=f"teacher buffer {name}, call {step}")

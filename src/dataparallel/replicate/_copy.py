@@ -82,10 +82,11 @@ class Pass:
     each thread sees its own attributes there, so a replica on a worker thread would not see
     what the caller's thread set (its replicas then run on the calling thread).
 
-    ``params`` maps each parameter of the tree (by id) to what to bind in its place, as
-    ``mapping`` does modules: a holder built from them (``self.ema = list(teacher.parameters())``)
-    would give every replica the module's own tensors, which each then writes (an EMA made
-    once per replica per call) or reads on the wrong device. ``bound`` is set once one was met.
+    ``own`` maps each parameter and buffer of the tree (by id) to what to bind in its place,
+    as ``mapping`` does modules: a holder built from them (``self.ema =
+    list(teacher.parameters())``) would give every replica the module's own tensors, which
+    each then writes (an EMA made once per replica per call) or reads on the wrong device.
+    ``bound`` is set once one was met.
 
     Code and objects of installed packages and the standard library (:func:`from_library`)
     are searched for the tree as any other, but are not watched, and a search that stops
@@ -101,18 +102,16 @@ class Pass:
         "local",
         "mapping",
         "memo",
-        "params",
+        "own",
         "tensors",
         "visits",
         "walked",
         "watch",
     )
 
-    def __init__(
-        self, mapping: Mapping, watch: bool = False, params: Mapping | None = None
-    ) -> None:
+    def __init__(self, mapping: Mapping, watch: bool = False, own: Mapping | None = None) -> None:
         self.mapping = mapping
-        self.params: Mapping = params or {}
+        self.own: Mapping = own or {}
         self.bound = False
         self.memo: dict[int, Any] = {}
         self.copied: list[tuple[Any, list[Any]]] = []
@@ -127,8 +126,10 @@ class Pass:
     def rebind(self, value: Any, depth: int) -> Any:
         kind = type(value)
         if kind in ATOMS:
-            if kind is nn.Parameter and self.params:
-                return self._param(value)
+            if (kind is torch.Tensor or kind is nn.Parameter) and self.own:
+                mapped = self._own(value)
+                if mapped is not value:
+                    return mapped
             if (
                 kind is torch.Tensor
                 and self.watch
@@ -149,7 +150,7 @@ class Pass:
         if isinstance(value, nn.Module):
             return self.mapping.get(id(value), value)
         if isinstance(value, _OPAQUE):
-            return self._param(value) if isinstance(value, nn.Parameter) else value
+            return self._own(value) if isinstance(value, torch.Tensor) else value
         if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
             if self.local is None and not self.library:
                 self.local = value
@@ -181,9 +182,9 @@ class Pass:
         rebind = self.rebind
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
-                params = self.params
-                if params and any([id(v) in params for v in value]):
-                    return kind(map(self._param, value))
+                own = self.own
+                if own and any([id(v) in own for v in value]):
+                    return kind(map(self._own, value))
                 if self.watch and not self.library and len(value) <= RECORDS:
                     self.tensors += [v for v in value if type(v) is torch.Tensor]
                     del self.tensors[TENSORS:]
@@ -266,9 +267,9 @@ class Pass:
         fresh.update(changed)
         return new
 
-    def _param(self, value: Any) -> Any:
-        """What ``params`` binds in place of ``value`` (itself where nothing)."""
-        mapped = self.params.get(id(value))
+    def _own(self, value: Any) -> Any:
+        """What ``own`` binds in place of ``value`` (itself where nothing)."""
+        mapped = self.own.get(id(value))
         if mapped is None:
             return value
         self.bound = True

@@ -128,12 +128,12 @@ class Rebinding:
     ``watched``: per module, each holder its replicas hold a rebuilt copy of (a list of
     submodules, a closure's cells, an object of the user's own), with what it held then: a
     write to one since (``order.append(m)``, ``route["k"] = m``) refills that module;
-    ``params``: the modules some of whose entries hold a parameter of the tree (a list of a
-    teacher's parameters made in ``__init__``), which each replica's install binds to that
-    replica's own tensors (:meth:`bind_params`), as they may change at every call.
+    ``tensors``: the modules some of whose entries hold a parameter or buffer of the tree (a
+    list of a teacher's parameters made in ``__init__``), which each replica's install binds
+    to that replica's own tensors (:meth:`bind_tensors`), as they may change at every call.
     """
 
-    __slots__ = ("keys", "params", "probe", "serial", "told", "warned", "watched")
+    __slots__ = ("keys", "probe", "serial", "tensors", "told", "warned", "watched")
 
     def __init__(self) -> None:
         self.told: set[int] = set()  # the holders said written in forward (their ids)
@@ -142,7 +142,7 @@ class Rebinding:
         self.watched: dict[int, list[Held]] = {}
         self.warned = False
         self.probe: Mapping = {}  # the tree's module ids, as of the last search
-        self.params: set[int] = set()
+        self.tensors: set[int] = set()
 
     def plan(self, modules: list[nn.Module], indices: Any) -> None:
         """Search the modules at ``indices`` (just refilled) of the tree ``modules``."""
@@ -159,19 +159,19 @@ class Rebinding:
             for t in table.values()
             if t is not None
         }
-        params = {id(p): _PROBE for m in modules for p in m._parameters.values() if p is not None}
+        bindable = dict.fromkeys(own, _PROBE)  # (bound as modules are: ``bind_tensors``)
         for i in indices:
             d = modules[i].__dict__
-            search = Pass(probe, watch=True, params=params)
+            search = Pass(probe, watch=True, own=bindable)
             keys, cut = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
             else:
                 self.keys.pop(i, None)
             if search.bound:
-                self.params.add(i)
+                self.tensors.add(i)
             else:
-                self.params.discard(i)
+                self.tensors.discard(i)
             # Every holder the search read, copied or left shared: a write to one since is a
             # change (a list that led nowhere, later given a module of the tree).
             tensors = {
@@ -200,22 +200,18 @@ class Rebinding:
         shared."""
         return Pass(dict(zip(map(id, modules), objects, strict=True)))
 
-    def bind_params(
+    def bind_tensors(
         self,
         sources: list[nn.Module],
         modules: list[nn.Module],
         indices: list[int],
-        params: Sequence[torch.Tensor],
-        tensors: Sequence[torch.Tensor],
+        own: Mapping,
     ) -> None:
         """Rebind, in one replica (its modules ``modules``, in the preorder of the tree
-        ``sources``), the entries of the modules at ``indices`` that hold parameters of the
-        tree (``params``, by slot) to the replica's own tensors for them (``tensors``): from
-        each source module's own entries, so this call's tensors replace the last call's."""
-        search = Pass(
-            dict(zip(map(id, sources), modules, strict=True)),
-            params=dict(zip(map(id, params), tensors, strict=True)),
-        )
+        ``sources``), the entries of the modules at ``indices`` that hold parameters or buffers
+        of the tree to the replica's own tensors for them (``own``: by the tree's tensor ids),
+        from each source module's own entries, so this call's tensors replace the last call's."""
+        search = Pass(dict(zip(map(id, sources), modules, strict=True)), own=own)
         for i in sorted(indices):
             keys = self.keys.get(i, ())
             source = sources[i].__dict__

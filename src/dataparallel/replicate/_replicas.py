@@ -352,13 +352,14 @@ class Replicas(TensorSync):
                     d["_buffers"].update(
                         zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
                     )
-            if new_params and self.rebinding.params:  # (a holder of parameters of the tree)
-                self.rebinding.bind_params(
+            if self.rebinding.tensors:  # (a holder of the tree's parameters or buffers)
+                own = dict(zip(map(id, self.params), tensors, strict=True))
+                own.update(zip(map(id, self.current), buffers, strict=True))
+                self.rebinding.bind_tensors(
                     self.modules(root),
                     [n.module for n in replica.nodes],
-                    [i for i in self.rebinding.params if not self.sources[i].custom],
-                    self.params,
-                    tensors,
+                    [i for i in self.rebinding.tensors if not self.sources[i].custom],
+                    own,
                 )
             replica.params_in, replica.buffers_in = tensors, buffers
 
