@@ -352,14 +352,13 @@ class Replicas(TensorSync):
                     d["_buffers"].update(
                         zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
                     )
-            if self.rebinding.tensors:  # (a holder of the tree's parameters or buffers)
+            # A holder of the tree's parameters or buffers (a custom module's are its own)
+            holders = [i for i in self.rebinding.tensors if not self.sources[i].custom]
+            if holders:
                 own = dict(zip(map(id, self.params), tensors, strict=True))
                 own.update(zip(map(id, self.current), buffers, strict=True))
                 self.rebinding.bind_tensors(
-                    self.modules(root),
-                    [n.module for n in replica.nodes],
-                    [i for i in self.rebinding.tensors if not self.sources[i].custom],
-                    own,
+                    self.modules(root), [n.module for n in replica.nodes], holders, own
                 )
             replica.params_in, replica.buffers_in = tensors, buffers
 
