@@ -11,6 +11,7 @@ reads what it carries.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 from typing import Any
 
@@ -205,9 +206,46 @@ def test_a_variable_a_hook_or_forward_rebinds_is_said(devices: list[str]) -> Non
     assert later == []  # once per holder
     assert len(said) == 2, said
     assert any(
-        "a variable of the forward hook" in s and "count_rows of module 'lin'" in s for s in said
+        "a variable or attribute of the forward hook" in s and "count_rows of module 'lin'" in s
+        for s in said
     )
-    assert any("a variable of the forward Counted.forward of the module itself" in s for s in said)
+    assert any(
+        "a variable or attribute of the forward Counted.forward of the module itself" in s
+        for s in said
+    )
     n = len(devices)  # what was said is what happened
     assert model.hooked() == 2 * n and oracle.hooked() == 1
     assert ours == 2 * n and CALLS == 1
+
+
+def tally(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    """A forward hook that counts its calls in an attribute of its own."""
+    tally.calls += 1
+
+
+def tally_by(step: int, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    """The same, by ``step``, registered as a ``functools.partial``."""
+    tally_by.calls += step
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+@pytest.mark.parametrize("kind", ["function", "partial"])
+def test_an_attribute_a_hook_writes_on_itself_is_said(kind: str, devices: list[str]) -> None:
+    """A hook's ``tally.calls += 1`` goes up once per replica per call; said once, with the
+    hook named (a partial by the function it wraps). Before: no word (a function's attributes
+    were not read after the call)."""
+    func = tally if kind == "function" else tally_by
+    hook = tally if kind == "function" else functools.partial(tally_by, 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model[0].register_forward_hook(hook)
+    wrapper = dp.DataParallel(model, devices)
+    x = torch.randn(6, 4)
+    func.calls = 0
+    with torch.no_grad():
+        said = _said(lambda: wrapper(x))
+        later = _said(lambda: wrapper(x))
+    assert later == [] and len(said) == 1, said
+    name = "tally" if kind == "function" else "functools.partial(tally_by)"
+    assert f"a variable or attribute of the forward hook {name} of module '0'" in said[0]
+    assert func.calls == 2 * len(devices)  # (what was said is what happened)

@@ -15,7 +15,8 @@ and still sees the writes that matter:
   part leads to no module of the tree and the replicas share the list (the search left it as
   it is), taken as it is now without a refill (a list the replicas hold copies of, one that
   holds a module of the tree, is refilled: their copies lack the new items);
-- a function by its own part (code, cells, defaults) item by item, and the globals it reads
+- a function by its own part (code, cells, defaults) item by item, its attributes
+  (``hook.calls += 1``) by its ``__dict__``'s write version after the call, and the globals it reads
   by its module's dictionary's write version, in one read; when that moved (a script's loop at
   module level writes it on every step), by name, from the list of names kept with it; a
   global that changed from one plain value to another (a step counter) is taken as it is now,
@@ -103,6 +104,7 @@ class Held:
 
     __slots__ = (
         "at",
+        "attrs",
         "bare",
         "defaults",
         "held",
@@ -134,6 +136,7 @@ class Held:
         self.bare = False
         self.defaults: tuple[Any, ...] | None = None
         self.names: list[str] = []  # a function's globals, in ``contents``' order
+        self.attrs: int | None = None  # a function's ``__dict__``'s version, at the sync
         self.sampled: tuple[Any, ...] = ()  # a large list's held items at the sampled places
         self.at = 0  # a large list's length when its places were chosen
         self._cheap()
@@ -156,6 +159,7 @@ class Held:
             # Its globals are its module's dictionary's values: unchanged while that
             # dictionary's version is (a global rebound, added or deleted moves it).
             self.version = _VERSION(obj.__globals__)
+            self.attrs = _VERSION(obj.__dict__)
             self.own = len(function_own(obj))
             # (``__closure__`` cannot be set, and a code swapped in keeps its free variables.)
             self.bare = obj.__closure__ is None and obj.__kwdefaults__ is None
@@ -182,6 +186,8 @@ class Held:
                 if _VERSION is not None and _VERSION(obj) == version:
                     return True
             elif _VERSION is not None:
+                # (its attributes as they are now: what forward writes there is read after)
+                self.attrs = _VERSION(obj.__dict__)
                 # Its own part: the same code and defaults' tuple (a tuple's items cannot
                 # change), and still no keyword defaults; else compared item by item.
                 if not (
@@ -245,12 +251,15 @@ class Held:
 
     def _function_written(self, obj: types.FunctionType) -> bool:
         """:meth:`written` for a function: its own part (code, cells, defaults) by identity,
-        and the globals it reads by name only where its module's dictionary was written since
+        its attributes by its ``__dict__``'s version (a hook's ``count_rows.calls += 1``), and
+        the globals it reads by name only where its module's dictionary was written since
         :meth:`still` read it (a script's loop writes it on every step, before the call)."""
         held, own = self.held, self.own
         if not own:  # (no dictionary versions to read: its own part alone)
             now = function_own(obj)
             return len(now) > len(held) or not all(map(operator.is_, now, held))
+        if _VERSION(obj.__dict__) != self.attrs:  # type: ignore[misc]
+            return True
         if self.bare:
             if (
                 obj.__code__ is not held[0]

@@ -26,6 +26,7 @@ threads at once.
 
 from __future__ import annotations
 
+import functools
 import gc
 import types
 import warnings
@@ -260,7 +261,7 @@ class Rebinding:
         index, (table, hook, why) = min(self.serial.items())
         names = {id(m): n for n, m in modules[0].named_modules()}
         name = names.get(id(modules[index]), type(modules[index]).__name__)
-        what = _qualname(hook) or type(hook).__name__
+        what = _hook_name(hook)
         where = f"module {name!r}" if name else "the module itself"
         reason = f"the {_KINDS.get(table, f'attribute {table!r},')} {what} of {where}"
         if not self.warned and replicas > 1:
@@ -485,6 +486,27 @@ def _qualname(obj: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _function_of(hook: Any) -> Any:
+    """The function a hook runs: a ``functools.partial``'s and a bound method's own, at any
+    depth; the hook itself otherwise."""
+    for _ in range(MAX_DEPTH):
+        inner = (
+            hook.func if isinstance(hook, functools.partial) else getattr(hook, "__func__", None)
+        )
+        if inner is None:
+            return hook
+        hook = inner
+    return hook
+
+
+def _hook_name(hook: Any) -> str:
+    """A hook's name for a warning: its qualified name (a method's is ``Class.method``), a
+    ``functools.partial`` by the function it wraps, else its class's name."""
+    if isinstance(hook, functools.partial):
+        return f"functools.partial({_hook_name(hook.func)})"
+    return _qualname(hook) or type(hook).__name__
+
+
 def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str:
     """The warning for ``obj``, a holder the replicas share that forward wrote, found from the
     module at preorder ``index`` of ``root``'s tree (named with the attribute or hook variable
@@ -494,7 +516,7 @@ def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> st
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
     if obj is getattr(type(module), "forward", None):  # (a ``global`` its forward rebinds)
-        how = f"a variable of the forward {_qualname(obj)} of {where}"
+        how = f"a variable or attribute of the forward {_qualname(obj)} of {where}"
     for key, value in module.__dict__.items():
         items = value.values() if type(value) is dict else value if type(value) is list else ()
         if any(item is obj for item in items):
@@ -503,14 +525,14 @@ def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> st
             how = f"the attribute {key!r} of {where}"
     for table in REBOUND_TABLES:
         for hook in (module.__dict__.get(table) or {}).values():
-            cells = getattr(hook, "__closure__", None) or ()
-            # (the hook itself: one of its own variables, a ``nonlocal`` or ``global`` it
-            # rebinds; else a holder in one of its variables)
-            if hook is obj or any(filled(cell) and cell.cell_contents is obj for cell in cells):
+            func = _function_of(hook)
+            cells = getattr(func, "__closure__", None) or ()
+            # (the hook's function itself: one of its own variables or attributes, a
+            # ``nonlocal`` or ``global`` it rebinds, ``hook.calls += 1``; else a holder in
+            # one of its variables)
+            if func is obj or any(filled(cell) and cell.cell_contents is obj for cell in cells):
                 kind = _KINDS.get(table, "hook")
-                how = (
-                    f"a variable of the {kind} {_qualname(hook) or type(hook).__name__} of {where}"
-                )
+                how = f"a variable or attribute of the {kind} {_hook_name(hook)} of {where}"
     return (
         f"module: forward wrote {how}, a {type(obj).__name__} the {replicas} replicas share (it "
         f"leads to no module, so it is not copied for each): every replica that reaches it "
