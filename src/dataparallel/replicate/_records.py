@@ -21,6 +21,7 @@ __all__ = [
     "NOT_YET",
     "Key",
     "Node",
+    "ParameterTable",
     "Ready",
     "Replica",
     "Source",
@@ -207,6 +208,43 @@ def tensor_slots(
             if slots[-1] == len(tensors):
                 tensors.append(t)
     return tuple(names), tuple(slots), tuple(k for k, t in table.items() if t is None)
+
+
+class ParameterTable(dict[str, Any]):
+    """A replica's ``_parameters``, whose writes reach the replica's attributes.
+
+    A replica holds its parameter tensors twice: in ``_parameters`` (so ``self.parameters()``
+    and ``state_dict()`` list them) and as attributes of its ``__dict__`` (so ``self.weight``
+    resolves without ``nn.Module.__getattr__``). An attribute shadows the table, so a write to
+    the table alone in forward would not be what forward then reads: ``torch.func.
+    functional_call`` (MAML's inner step) and ``torch.nn.utils.stateless`` swap parameters by
+    ``module._parameters[name] = tensor``, as a weight dropped out in place (AWD-LSTM's
+    ``WeightDrop``) does; the replicas would compute with their own weights, silently, where
+    one device (and torch's replicas, which keep parameters as attributes only) computes with
+    the new ones. So an item set, popped or deleted here is set or dropped in ``owner`` (the
+    replica's ``__dict__``) too, where it is an attribute. The install writes both at once
+    (``update``, which does not pass through here)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: dict[str, Any], *args: Any) -> None:
+        super().__init__(*args)
+        self.owner = owner
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        dict.__setitem__(self, key, value)
+        owner = self.owner
+        if key in owner:
+            owner[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        dict.__delitem__(self, key)
+        self.owner.pop(key, None)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self.owner.pop(key, None)
+        return dict.pop(self, key, *default)
 
 
 def buffer_table(source: Source, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor | None]:

@@ -51,6 +51,7 @@ from dataparallel.replicate._records import (
     NOT_YET,
     Key,
     Node,
+    ParameterTable,
     Ready,
     Replica,
     Source,
@@ -402,7 +403,7 @@ class Replicas(TensorSync):
                 else:
                     if private is None:
                         private = replica.buffers(buffers)
-                    d["_parameters"] = dict.fromkeys(s.none_params) if s.none_params else {}
+                    d["_parameters"] = ParameterTable(d, dict.fromkeys(s.none_params))
                     d["_buffers"] = buffer_table(s, private)
                 self._own_state(d, node.hooks, modules[s.index])
                 keys = rebinding.keys.get(s.index)
@@ -489,6 +490,6 @@ class Replicas(TensorSync):
             # setattr registers a same-device Parameter (and a copy lands in ``__dict__``):
             # make both hold every tensor, as ``_install`` does for plain modules.
             rep.__dict__.update(attrs)
-            table: dict[str, torch.Tensor | None] = dict.fromkeys(none_params)
+            table = ParameterTable(rep.__dict__, dict.fromkeys(none_params))
             table.update(attrs)
             rep.__dict__["_parameters"] = table
