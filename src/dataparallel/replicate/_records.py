@@ -11,6 +11,7 @@ fields on every call.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -221,29 +222,34 @@ class ParameterTable(dict[str, Any]):
     ``module._parameters[name] = tensor``, as a weight dropped out in place (AWD-LSTM's
     ``WeightDrop``) does; the replicas would compute with their own weights, silently, where
     one device (and torch's replicas, which keep parameters as attributes only) computes with
-    the new ones. So an item set, popped or deleted here is set or dropped in ``owner`` (the
-    replica's ``__dict__``) too, where it is an attribute. The install writes both at once
-    (``update``, which does not pass through here)."""
+    the new ones. So an item set, popped or deleted here is set or dropped in the replica's
+    ``__dict__`` too, where it is an attribute (``owner``: a weak reference to the replica, so
+    a replica dropped is freed at once, with no cycle for the collector). The install writes
+    both at once (``update``, which does not pass through here)."""
 
     __slots__ = ("owner",)
 
-    def __init__(self, owner: dict[str, Any], *args: Any) -> None:
+    def __init__(self, owner: nn.Module, *args: Any) -> None:
         super().__init__(*args)
-        self.owner = owner
+        self.owner = weakref.ref(owner)
+
+    def _attrs(self) -> dict[str, Any]:
+        owner = self.owner()
+        return {} if owner is None else owner.__dict__
 
     def __setitem__(self, key: str, value: Any) -> None:
         dict.__setitem__(self, key, value)
-        owner = self.owner
-        if key in owner:
-            owner[key] = value
+        attrs = self._attrs()
+        if key in attrs:
+            attrs[key] = value
 
     def __delitem__(self, key: str) -> None:
         dict.__delitem__(self, key)
-        self.owner.pop(key, None)
+        self._attrs().pop(key, None)
 
     def pop(self, key: str, *default: Any) -> Any:
         if key in self:
-            self.owner.pop(key, None)
+            self._attrs().pop(key, None)
         return dict.pop(self, key, *default)
 
 

@@ -403,7 +403,7 @@ class Replicas(TensorSync):
                 else:
                     if private is None:
                         private = replica.buffers(buffers)
-                    d["_parameters"] = ParameterTable(d, dict.fromkeys(s.none_params))
+                    d["_parameters"] = ParameterTable(node.module, dict.fromkeys(s.none_params))
                     d["_buffers"] = buffer_table(s, private)
                 self._own_state(d, node.hooks, modules[s.index])
                 keys = rebinding.keys.get(s.index)
@@ -490,6 +490,6 @@ class Replicas(TensorSync):
             # setattr registers a same-device Parameter (and a copy lands in ``__dict__``):
             # make both hold every tensor, as ``_install`` does for plain modules.
             rep.__dict__.update(attrs)
-            table = ParameterTable(rep.__dict__, dict.fromkeys(none_params))
+            table = ParameterTable(rep, dict.fromkeys(none_params))
             table.update(attrs)
             rep.__dict__["_parameters"] = table
