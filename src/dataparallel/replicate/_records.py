@@ -252,6 +252,11 @@ class ParameterTable(dict[str, Any]):
             self._attrs().pop(key, None)
         return dict.pop(self, key, *default)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A plain dict when pickled or copied (``torch.save(replica)``): the weak reference
+        to the replica cannot be, and a copy has its own attributes to keep in line."""
+        return dict, (dict(self),)
+
 
 def buffer_table(source: Source, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """A replica's ``_buffers`` for ``source``: ``buffers`` by slot, in the source's order
