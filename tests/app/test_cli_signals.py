@@ -33,6 +33,27 @@ TRAIN = [sys.executable, "-m", "dataparallel", "train", "--data", "random", "--e
 DDP = ["--strategy", "ddp", "--nproc-per-node", "2", "--devices", "cpu"]
 
 
+def _without_store_resets(err: str) -> str:
+    """``err`` less what torch's C++ store client logs when a worker's store call meets the
+    store's host ending: its line and the C++ frames under it. That is the teardown race
+    ``test_stalls`` names, which no Python code closes; under load it met two runs in a row
+    (a local CI run, newest torch, stop 76), so a retry did not keep this test to one answer.
+    Anything else on stderr (a traceback, a line of ours: the regression this test guards)
+    is kept."""
+    kept: list[str] = []
+    skipping = False
+    for line in err.splitlines():
+        if "recvValue failed" in line and "TCPStore" in line:
+            skipping = True
+            continue
+        frame = line.startswith(("Exception raised from", "frame #", "<omitting python frames>"))
+        if skipping and (frame or not line.strip()):
+            continue
+        skipping = False
+        kept.append(line)
+    return "\n".join(kept)
+
+
 def _start(argv: list[str], tmp: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
@@ -186,12 +207,7 @@ def test_a_closed_reader_ends_the_run_quietly(
         return proc.wait(timeout=90), err
 
     code, err = run()
-    if "recvValue failed" in err and argv[-1] != "explain":
-        # The teardown race ``test_stalls`` names, which no Python code closes: a worker's
-        # store call met the store's host ending (torch's client logs the reset with C++
-        # frames). Seen once in a local CI run under load (newest torch); a run that is not
-        # quiet on every try (the regression this test guards) fails the second run too.
-        code, err = run()
+    err = _without_store_resets(err)
     if argv[-1] == "explain":
         # explain prints about 6 KB, which fits in the pipe's buffer: it may have written all of
         # it (exit 0) before the reader closed, or hit the closed pipe (141). Quiet either way.
