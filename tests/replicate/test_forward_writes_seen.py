@@ -311,6 +311,38 @@ def test_a_frozen_parameter_written_by_a_later_replica_only_lands_and_is_said(
             assert messages == [], messages  # said once
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("devices", WRITERS, ids=str)
+def test_a_frozen_parameter_written_by_replica_0_only_is_said(
+    devices: list[str], grad: bool
+) -> None:
+    """The mirror of the test above: the flagged sample in replica 0's chunk. Its write is the
+    module's, once per call, but every other replica computed its chunk with the value from
+    before it, where one device computes every row after the write. Before: no word (stop
+    76's probe: the output off by 0.53 on every list); now said once, as a later replica's."""
+    model = Flagged()
+    oracle = copy.deepcopy(model)
+    wrapper = dp.DataParallel(model, devices)
+    for call in range(3):
+        x = torch.randn(6, 4)
+        x[0, 0] = 10.0  # the first sample: replica 0's chunk
+        with warnings.catch_warnings(record=True) as said, torch.set_grad_enabled(grad):
+            warnings.simplefilter("always")
+            out = wrapper(x)
+        want = oracle(x)
+        if grad:
+            out.sum().backward()
+        assert_close_rel(model.seen, oracle.seen, msg=f"call {call}: the counter")
+        first = wrapper.last_call.chunk_sizes[0]
+        assert_close_rel(out[:first], want[:first], msg=f"call {call}: the writer's rows")
+        messages = [str(w.message) for w in said]
+        if call == 0:
+            assert len(messages) == 1, messages
+            assert "in replica 0 (its chunk) and in no other replica" in messages[0]
+        else:
+            assert messages == [], messages  # said once
+
+
 class RunningStat(nn.Module):
     """A frozen running mean every replica writes through ``.data`` in place, from its own
     chunk: as BatchNorm's statistics, the module keeps replica 0's (its chunk's) write."""

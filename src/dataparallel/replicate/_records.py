@@ -222,10 +222,10 @@ class ParameterTable(dict[str, Any]):
     ``module._parameters[name] = tensor``, as a weight dropped out in place (AWD-LSTM's
     ``WeightDrop``) does; the replicas would compute with their own weights, silently, where
     one device (and torch's replicas, which keep parameters as attributes only) computes with
-    the new ones. So an item set, popped or deleted here is set or dropped in the replica's
-    ``__dict__`` too, where it is an attribute (``owner``: a weak reference to the replica, so
-    a replica dropped is freed at once, with no cycle for the collector). The install writes
-    both at once (``update``, which does not pass through here)."""
+    the new ones. So an item set, updated, popped, deleted or cleared here is set or dropped in
+    the replica's ``__dict__`` too, where it is an attribute (``owner``: a weak reference to
+    the replica, so a replica dropped is freed at once, with no cycle for the collector). The
+    install writes both at once (``dict.update``, which does not pass through here)."""
 
     __slots__ = ("owner",)
 
@@ -251,6 +251,30 @@ class ParameterTable(dict[str, Any]):
         if key in self:
             self._attrs().pop(key, None)
         return dict.pop(self, key, *default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> ParameterTable:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def popitem(self) -> tuple[str, Any]:
+        key, value = dict.popitem(self)
+        self._attrs().pop(key, None)
+        return key, value
+
+    def clear(self) -> None:
+        attrs = self._attrs()
+        for key in self:
+            attrs.pop(key, None)
+        dict.clear(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A plain dict when pickled or copied (``torch.save(replica)``): the weak reference

@@ -348,7 +348,7 @@ class Replicas(TensorSync):
                     # ``_parameters``, so ``self.parameters()`` and ``state_dict()`` inside
                     # forward see this replica's tensors (torch's replicas list none).
                     d.update(attrs)
-                    d["_parameters"].update(attrs)
+                    dict.update(d["_parameters"], attrs)  # (both at once: not item by item)
                 if s.buffer_names and new_buffers:
                     d["_buffers"].update(
                         zip(s.buffer_names, map(take_buffer, s.buffer_slots), strict=True)
@@ -491,5 +491,5 @@ class Replicas(TensorSync):
             # make both hold every tensor, as ``_install`` does for plain modules.
             rep.__dict__.update(attrs)
             table = ParameterTable(rep, dict.fromkeys(none_params))
-            table.update(attrs)
+            dict.update(table, attrs)
             rep.__dict__["_parameters"] = table

@@ -220,8 +220,9 @@ class ForwardWrites:
         replica 0 did not (a write made only for a chunk that holds some sample: a counter of
         flagged samples) gets that replica's write, the first such replica's, as one device
         writes it once per call; said once per parameter, since every other replica computed
-        its chunk with the value from before it. Each replica's own tensor (a clone on a shared
-        device, a copy on another) and replica 0's are read by their versions and data
+        its chunk with the value from before it. One that replica 0 wrote and no other replica
+        did is on the module already, and said the same way. Each replica's own tensor (a clone
+        on a shared device, a copy on another) and replica 0's are read by their versions and data
         addresses, marked at the sync, and a copy-on-write one by whether it still is (a write
         through ``.data`` moves no version: that flag does move); in three passes while none
         was written (a frozen backbone).
@@ -240,7 +241,7 @@ class ForwardWrites:
         before, cow = self.frozen_marks
         n, m = len(pairs), len(tensors)
         if before is None:  # (all copy-on-write at the sync)
-            if all(map(_IS_COW, tensors[n:])):  # no replica after the first wrote
+            if all(map(_IS_COW, tensors)):  # no replica wrote
                 return
             written = [not flag for flag in map(_IS_COW, tensors)]
         else:
@@ -261,6 +262,14 @@ class ForwardWrites:
                     clones[j, i] = (entry[0], entry[1], None)
         done: set[int] = set()
         for k, (i, j) in enumerate(pairs):
+            if (
+                written[k]
+                and i not in self.landed
+                and not any(written[n + q] for q, (slot, _) in enumerate(pairs) if slot == i)
+            ):
+                # (replica 0's own write, in no other replica: on the module, said)
+                self.landed.add(i)
+                warn_user(_chunk_write(_names(replica, [tensors[k]])[0], 0))
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
             if i in done or not written[n + k] or written[k]:
                 continue
@@ -274,15 +283,7 @@ class ForwardWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.landed:
                 self.landed.add(i)
-                warn_user(
-                    f"module: forward wrote the parameter {_names(replica, [source])[0]} (it "
-                    f"does not require grad) in replica {j} (its chunk), and not in replica 0: "
-                    f"its write was copied onto the module after the call, as one device makes "
-                    f"it once per call, but every other replica computed its chunk with the "
-                    f"value from before it, where one device computes every sample after a "
-                    f"write made before the read. To have every sample see it, make the write "
-                    f"outside the wrapped call (from the batch, before model(x)); said once"
-                )
+                warn_user(_chunk_write(_names(replica, [source])[0], j))
 
     def refuse(self, replica: Any, now: list[int | None]) -> None:
         """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
@@ -304,6 +305,23 @@ class ForwardWrites:
             f"max_norm), or, if forward must write it, set requires_grad=False on it (each "
             f"replica then writes its own copy) or give each replica a device of its own"
         )
+
+
+def _chunk_write(name: str, j: int) -> str:
+    """The warning for a frozen parameter ``name`` that replica ``j`` alone wrote."""
+    where = (
+        "in replica 0 (its chunk) and in no other replica: the module has its write"
+        if j == 0
+        else f"in replica {j} (its chunk), and not in replica 0: its write was copied onto the "
+        f"module after the call"
+    )
+    return (
+        f"module: forward wrote the parameter {name} (it does not require grad) {where}, as one "
+        f"device makes it once per call, but every other replica computed its chunk with the "
+        f"value from before it, where one device computes every sample after a write made "
+        f"before the read. To have every sample see it, make the write outside the wrapped "
+        f"call (from the batch, before model(x)); said once"
+    )
 
 
 _NO_MARKS: dict[str, Any] = {}  # (read only: an object without a ``__dict__``)

@@ -151,8 +151,12 @@ def copy_writes_back(
     forward) is then what a value is compared with, so only the forward's own writes land.
     """
     with torch.no_grad():
-        for mine, theirs in zip(module.buffers(), replica.buffers(), strict=True):
-            if mine is theirs:
+        # (paired by name: a forward may have deleted one from the replica, or re-made it as
+        # a plain tensor, ``del self.lin.weight; self.lin.weight = w * 0.5``)
+        theirs_by_name = dict(replica.named_buffers())
+        for name, mine in module.named_buffers():
+            theirs = theirs_by_name.get(name)
+            if theirs is None or mine is theirs:
                 continue
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
@@ -160,8 +164,10 @@ def copy_writes_back(
         # Parameters that do not require grad, as buffers (an EMA teacher, a counter): one
         # device writes them once per call (``replicate._written``); replica 0 wrote its copy.
         # A copy-on-write clone that is one still was not written: no comparison.
-        for mine, theirs in zip(module.parameters(), replica.parameters(), strict=True):
-            if mine is theirs or mine.requires_grad or _IS_COW(theirs):
+        theirs_by_name = dict(replica.named_parameters())
+        for name, mine in module.named_parameters():
+            theirs = theirs_by_name.get(name)
+            if theirs is None or mine is theirs or mine.requires_grad or _IS_COW(theirs):
                 continue
             value = theirs.to(mine.device)
             if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
