@@ -183,7 +183,7 @@ class Pass:
         if kind is tuple or kind is list:
             if ATOMS.issuperset(map(type, value)):  # kernel sizes, paddings: one C-level pass
                 own = self.own
-                if own and any([id(v) in own for v in value]):
+                if own and not self.library and any([id(v) in own for v in value]):
                     return kind(map(self._own, value))
                 if self.watch and not self.library and len(value) <= RECORDS:
                     self.tensors += [v for v in value if type(v) is torch.Tensor]
@@ -268,7 +268,11 @@ class Pass:
         return new
 
     def _own(self, value: Any) -> Any:
-        """What ``own`` binds in place of ``value`` (itself where nothing)."""
+        """What ``own`` binds in place of ``value`` (itself where nothing, or inside a
+        library's object: an optimizer's parameter groups are its own state, and rebuilding it
+        for each replica at every call would cost what the model does)."""
+        if self.library:
+            return value
         mapped = self.own.get(id(value))
         if mapped is None:
             return value
