@@ -51,7 +51,7 @@ def test_replicas_writing_a_frozen_parameter_at_once_call_after_call_run_clean(
         [sys.executable, "-c", _RACE, str(replicas), "1500"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
     assert run.returncode == 0 and "ran" in run.stdout, run.stderr[-2000:]
