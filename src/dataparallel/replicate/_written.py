@@ -261,12 +261,10 @@ class ForwardWrites:
                 if entry is not None and entry[2] is not None:
                     clones[j, i] = (entry[0], entry[1], None)
         done: set[int] = set()
+        # (the slots some replica after the first wrote: one pass, not one per pair)
+        others = {i for k, (i, _) in enumerate(pairs) if written[n + k]}
         for k, (i, j) in enumerate(pairs):
-            if (
-                written[k]
-                and i not in self.landed
-                and not any(written[n + q] for q, (slot, _) in enumerate(pairs) if slot == i)
-            ):
+            if written[k] and i not in self.landed and i not in others:
                 # (replica 0's own write, in no other replica: on the module, said)
                 self.landed.add(i)
                 warn_user(_chunk_write(_names(replica, [tensors[k]])[0], 0))
