@@ -130,8 +130,12 @@ def _agent_hosts_store() -> bool:
 
 
 def _first_line(exc: BaseException) -> str:
+    """What torch said, for our message: its first line, less the store keys a wait names
+    (``wait timeout after 3000ms, keys: /dataparallel/attempt-0/session-0/0//cpu//0/1``),
+    which are torch's own rendezvous paths, nothing the user set or can act on."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line.split(", keys: ", 1)[0]
 
 
 def _timed_out(where: str, rank: int, world_size: int, seconds: float, cause: str) -> TimeoutError:
