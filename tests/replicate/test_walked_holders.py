@@ -18,7 +18,7 @@ from torch import nn
 
 import dataparallel as dp
 from _close import assert_close_rel
-from dataparallel.replicate._copy import MAX_VISITS
+from dataparallel.replicate._kinds import MAX_VISITS
 
 DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu:1", "cpu:1"]]
 
@@ -108,8 +108,8 @@ def test_a_function_holders_own_part_is_compared_where_it_can_change() -> None:
     """A function without cells or keyword defaults is compared by its code and its defaults'
     tuple alone (``Held.bare``); keyword defaults set later, a tuple of defaults replaced by
     an equal one, and a code swapped are each still seen or let through as they should be."""
-    from dataparallel.replicate._copy import contents
     from dataparallel.replicate._holders import Held
+    from dataparallel.replicate._kinds import contents
 
     def hook(x: Any, scale: float = 1.0) -> Any:
         return x

@@ -7,16 +7,14 @@ value the way ``copy.copy`` would, with a memo that maps each module of the tree
 replica's: tuples, lists, dicts and their subclasses, objects with a ``__dict__``, closures,
 partials, bound methods, and the module-level names a function reads (through an overlay of
 its globals, :class:`_Globals`). What leads nowhere is shared, never copied; the user's objects
-are never written. Each rebuilt holder is recorded with its :func:`contents`, so a later write
+are never written. Each rebuilt holder is recorded with its ``_kinds.contents``, so a later write
 to it (an append, an item set) can be seen. Used by :mod:`._rebind`.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
-import dis
 import functools
 import operator
 import threading
@@ -27,34 +25,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.replicate._check import filled
-from dataparallel.replicate._library import library_file, library_module
-
-__all__ = [
-    "ATOMS",
-    "MAX_DEPTH",
-    "MAX_VISITS",
-    "RECORDS",
-    "Mapping",
-    "Pass",
-    "contents",
-    "global_names",
-    "plain_record",
-    "rebind",
-]
-
-# How deep, and through how many objects, a value is searched for something to rebind. Past
-# either, a value is left as it is (and announced by ``reaches`` if it leads back).
-MAX_DEPTH = 32
-MAX_VISITS = 20_000
-
-# Types that never hold anything to rebind (most attributes): skipped by one set lookup.
-ATOMS = frozenset(
-    (bool, int, float, complex, str, bytes, type(None), torch.Tensor, nn.Parameter, torch.dtype)
+from dataparallel.replicate._kinds import (
+    ABSENT,
+    ATOMS,
+    MAX_DEPTH,
+    MAX_VISITS,
+    OPAQUE,
+    RECORDS,
+    TENSORS,
+    contents,
+    from_library,
+    global_names,
+    plain_record,
 )
-# Never looked into: classes and modules live as long as the program; a tensor (of a
-# subclass too) is data, not a holder.
-_OPAQUE = (type, types.ModuleType, torch.Tensor, types.BuiltinFunctionType, types.CodeType)
+
+__all__ = ["Mapping", "Pass", "rebind"]
 
 Mapping = dict[int, Any]  # id of a tree module -> what to bind in its place
 
@@ -71,11 +56,11 @@ class Pass:
     holders stay shared and cycles end), and a budget of objects looked into.
 
     ``copied`` lists each source object that was rebuilt, with what it held when it was read
-    (:func:`contents`): a write to it later (an item set, an append) is a change the replicas
+    (``_kinds.contents``): a write to it later (an item set, an append) is a change the replicas
     must see, and the check compares exactly these. With ``watch``, ``walked`` lists the same
     for every holder the pass looked into and left shared (it led nowhere): a write to one
     later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
-    pass stopped short (past :data:`MAX_DEPTH` or :data:`MAX_VISITS`): what lies beyond was
+    pass stopped short (past ``MAX_DEPTH`` or ``MAX_VISITS``): what lies beyond was
     not searched. With ``watch``, ``tensors`` lists the tensors met outside a library's state
     (their data is never walked: ``_holders.Held`` reads their version). ``local`` is the
     first ``threading.local`` met outside a library's state:
@@ -149,7 +134,7 @@ class Pass:
             return types.MethodType(func, owner)
         if isinstance(value, nn.Module):
             return self.mapping.get(id(value), value)
-        if isinstance(value, _OPAQUE):
+        if isinstance(value, OPAQUE):
             return self._own(value) if isinstance(value, torch.Tensor) else value
         if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
             if self.local is None and not self.library:
@@ -344,8 +329,8 @@ class Pass:
         reads, writes = global_names(value.__code__)
         if not writes and not from_library(value, types.FunctionType):
             for name in reads:
-                held = globals_.get(name, _ABSENT)
-                if held is _ABSENT:
+                held = globals_.get(name, ABSENT)
+                if held is ABSENT:
                     continue
                 rebound = rebind(held, deeper)
                 if rebound is not held:
@@ -366,9 +351,6 @@ class Pass:
         return fn
 
 
-_ABSENT = object()
-
-
 class _Globals(dict[str, Any]):
     """A replica function's globals: the rebound names, and every other name read live from
     the script's own globals (``__missing__``), so a later assignment there is seen."""
@@ -379,131 +361,3 @@ class _Globals(dict[str, Any]):
 
     def __missing__(self, key: str) -> Any:
         return self.base[key]
-
-
-@functools.lru_cache(maxsize=4096)
-def global_names(code: types.CodeType) -> tuple[frozenset[str], bool]:
-    """The module-level names a code object (and the functions, lambdas and comprehensions it
-    defines) reads, and whether any of it assigns or deletes a global."""
-    reads: set[str] = set()
-    writes = False
-    for instruction in dis.get_instructions(code):
-        if instruction.opname == "LOAD_GLOBAL":
-            reads.add(instruction.argval)
-        elif instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            writes = True
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner, inner_writes = global_names(const)
-            reads |= inner
-            writes = writes or inner_writes
-    return frozenset(reads), writes
-
-
-# General holders (and their subclasses: OrderedDict, defaultdict, namedtuples), which hold
-# the user's state whoever defined their class.
-_HOLDERS = (
-    list,
-    dict,
-    tuple,
-    set,
-    frozenset,
-    functools.partial,
-    types.SimpleNamespace,
-    collections.deque,
-    collections.UserList,
-    collections.UserDict,
-    collections.ChainMap,
-    argparse.Namespace,
-)
-
-
-def from_library(value: Any, kind: type) -> bool:
-    """Whether ``value`` (a function, or an object of class ``kind``) is an installed
-    package's or the standard library's: its code, or its class, is defined there. General
-    holders (lists, dicts, tuples, sets, partials, namespaces, deques, and their subclasses)
-    are never: what they hold is whoever filled them's."""
-    if kind is types.FunctionType:
-        # by where its code lies: ``functools.wraps`` copies a library function's
-        # ``__module__`` onto a wrapper of the user's own
-        return library_file(value.__code__.co_filename)
-    if isinstance(value, _HOLDERS):
-        return False
-    return library_module(getattr(kind, "__module__", None))
-
-
-RECORD = 16  # a plain record: a dict, list or tuple of at most this many atoms
-RECORDS = 64  # a list or dict longer than this is a table: its plain records are data
-# The most tensors one search records to be read by their version on every call (a table of
-# examples the module carries is data: its tensors past these are not read).
-TENSORS = 64
-
-
-def plain_record(value: Any, kind: type) -> bool:
-    """Whether ``value`` is a small dict, list or tuple of atoms only (keys too): a record of
-    data (``{"step": 3, "loss": 0.5}``), which leads to no module. Inside another holder such
-    records are neither searched one by one nor watched when the holder is a table (over
-    :data:`RECORDS` items): a list of 30,000 of them is one holder, compared as one."""
-    if kind is dict:
-        return len(value) <= RECORD and ATOMS.issuperset(
-            [*map(type, value), *map(type, value.values())]
-        )
-    if kind is list or kind is tuple:
-        return len(value) <= RECORD and ATOMS.issuperset(map(type, value))
-    return False
-
-
-_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
-
-
-def slot_names(cls: type) -> tuple[str, ...]:
-    """The slots ``cls`` and its bases declare (private names mangled), past ``__dict__`` and
-    ``__weakref__``; found once per class."""
-    found = _SLOTS.get(cls)
-    if found is not None:
-        return found
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{klass.__name__.lstrip('_')}{name}"
-            names.append(name)
-    _SLOTS[cls] = found = tuple(names)
-    return found
-
-
-def function_own(value: types.FunctionType) -> list[Any]:
-    """The part of a function's ``contents`` that is its own, not its module's globals: its
-    code, the values of its cells, its defaults."""
-    return [
-        value.__code__,
-        *[c.cell_contents if filled(c) else _ABSENT for c in value.__closure__ or ()],
-        *(value.__defaults__ or ()),
-        *(value.__kwdefaults__ or {}).values(),
-    ]
-
-
-def contents(value: Any) -> list[Any]:
-    """What a holder holds, as identities to compare later: items, keys and values, the
-    attributes of an object (its class and slots too), the code, cells and defaults of a
-    function. A class swapped (``obj.__class__ = Other``), a slot written or a code object
-    swapped (``f.__code__ = g.__code__``) is then a change, as a written attribute is."""
-    if isinstance(value, dict):
-        return [*value.keys(), *value.values()]
-    if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
-        return list(value)
-    if isinstance(value, functools.partial):
-        return [value.func, *value.args, *value.keywords.values(), *value.__dict__.values()]
-    if isinstance(value, types.FunctionType):
-        reads, _ = global_names(value.__code__)
-        g = value.__globals__
-        return [*function_own(value), *(g.get(n, _ABSENT) for n in sorted(reads))]
-    kind = type(value)
-    slots = [getattr(value, name, _ABSENT) for name in slot_names(kind)]
-    state = getattr(value, "__dict__", None)
-    if isinstance(state, dict):
-        return [kind, *slots, *state.keys(), *state.values()]
-    return [kind, *slots]

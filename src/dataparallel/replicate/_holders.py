@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from dataparallel.replicate._copy import (
-    _ABSENT,
-    Mapping,
-    Pass,
+from dataparallel.replicate._copy import Mapping, Pass
+from dataparallel.replicate._kinds import (
+    ABSENT,
     contents,
     function_own,
     global_names,
@@ -208,7 +207,7 @@ class Held:
                 names, rest = self.names, self.held[own:]
                 if len(names) != len(rest):
                     return False
-                now = [g.get(n, _ABSENT) for n in names]
+                now = [g.get(n, ABSENT) for n in names]
                 if not all(map(operator.is_, now, rest)) and not self._plain_globals(now):
                     return False
                 self.version = moved
@@ -274,7 +273,7 @@ class Held:
         g = obj.__globals__
         if _VERSION(g) == self.version:  # type: ignore[misc]
             return False
-        return not all(map(operator.is_, [g.get(n, _ABSENT) for n in self.names], held[own:]))
+        return not all(map(operator.is_, [g.get(n, ABSENT) for n in self.names], held[own:]))
 
     def _plain_globals(self, now: list[Any]) -> bool:
         """Whether every global of a function that changed (``now`` against the held ones,

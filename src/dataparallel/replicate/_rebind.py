@@ -26,7 +26,6 @@ threads at once.
 
 from __future__ import annotations
 
-import functools
 import gc
 import types
 import warnings
@@ -40,18 +39,16 @@ from torch import nn
 
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import filled
-from dataparallel.replicate._copy import (
-    ATOMS,
-    MAX_DEPTH,
-    MAX_VISITS,
-    Mapping,
-    Pass,
-    from_library,
-    global_names,
-    plain_record,
-    rebind,
-)
+from dataparallel.replicate._copy import Mapping, Pass, rebind
 from dataparallel.replicate._holders import Held
+from dataparallel.replicate._kinds import ATOMS, MAX_DEPTH, from_library, global_names, plain_record
+from dataparallel.replicate._naming import (
+    KINDS,
+    REBOUND_TABLES,
+    hook_name,
+    serial_message,
+    written_message,
+)
 
 __all__ = [
     "HOOKS_SEEN",
@@ -76,17 +73,6 @@ SERIAL = "_dataparallel_serial"
 # (dynamo does not guard on hooks). Read by ``CompiledReplicas``.
 HOOKS_SEEN = "_dataparallel_hooks"
 
-# The hook tables whose hooks are rebound (each replica gets its own copy of a table that holds
-# one). Load-state-dict hooks are left: loading into a replica is not something forward does.
-REBOUND_TABLES = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-)
-
 # __dict__ entries never searched as attributes: torch's own (every entry a bare module has:
 # tables a fill replaces or that hold no user code, flags); the hook tables of
 # :data:`REBOUND_TABLES` are searched hook by hook, apart.
@@ -105,16 +91,6 @@ def _skipped(cls: type | None) -> frozenset[str]:
 
 # What the search binds in place of a tree module: anything that is no module of the tree.
 _PROBE = object()
-
-_KINDS = {
-    "_forward_hooks": "forward hook",
-    "_forward_pre_hooks": "forward pre-hook",
-    "_backward_hooks": "backward hook",
-    "_backward_pre_hooks": "backward pre-hook",
-    "_state_dict_hooks": "state-dict hook",
-    "_state_dict_pre_hooks": "state-dict pre-hook",
-    "forward": "forward",
-}
 
 
 class Rebinding:
@@ -251,7 +227,7 @@ class Rebinding:
             for holder in watched:
                 if holder.shared and id(holder.obj) not in said and holder.written():
                     said.add(id(holder.obj))
-                    warn_user(_written_message(root, i, holder.obj, replicas))
+                    warn_user(written_message(root, i, holder.obj, replicas))
 
     def reason(self, modules: list[nn.Module], replicas: int) -> str | None:
         """Why the replicas of the tree ``modules`` must run one at a time (``None``: they
@@ -261,45 +237,11 @@ class Rebinding:
         index, (table, hook, why) = min(self.serial.items())
         names = {id(m): n for n, m in modules[0].named_modules()}
         name = names.get(id(modules[index]), type(modules[index]).__name__)
-        what = _hook_name(hook)
         where = f"module {name!r}" if name else "the module itself"
-        reason = f"the {_KINDS.get(table, f'attribute {table!r},')} {what} of {where}"
+        reason = f"the {KINDS.get(table, f'attribute {table!r},')} {hook_name(hook)} of {where}"
         if not self.warned and replicas > 1:
             self.warned = True
-            if why == "thread":
-                found = (
-                    "holds a threading.local, whose attributes each thread sees apart, so a "
-                    "replica on another thread would not see what your thread set there"
-                )
-                fix = (
-                    "To run them in parallel, keep that state in an attribute of the module "
-                    "(a plain value, or a buffer)"
-                )
-            elif why == "limit":
-                found = (
-                    f"is too large to search for a way back to the module (past {MAX_VISITS:,} "
-                    f"objects or {MAX_DEPTH} levels), so it might run on your module from "
-                    f"every replica's thread at once"
-                )
-                fix = (
-                    "To run them in parallel, have it hold what it uses rather than a large "
-                    "structure that also leads to the module"
-                )
-            else:
-                found = (
-                    "leads back to the module through an object that cannot be rebound to "
-                    "each replica, so it would run on your module from every replica's thread "
-                    "at once"
-                )
-                fix = (
-                    "To run them in parallel, make it a method of the module, or a function, "
-                    "closure or functools.partial over the module: those are rebound to each "
-                    "replica"
-                )
-            warn_user(
-                f"module: {reason} {found}; the replicas of this module run one after another "
-                f"on the calling thread instead. {fix}"
-            )
+            warn_user(serial_message(reason, why))
         return reason
 
 
@@ -472,72 +414,4 @@ def replica_zero_grad(set_to_none: bool = True) -> None:
         "replicas: they share or copy the module's parameters; the module itself (replica 0) "
         "clears its gradients. Zero the gradients outside forward.",
         stacklevel=2,
-    )
-
-
-def _qualname(obj: Any) -> str | None:
-    """``obj.__qualname__`` where it has a text one, else ``None``: a user's ``__getattr__``
-    may raise anything for a name it does not hold (a proxy's ``KeyError``), not only
-    ``AttributeError``."""
-    try:
-        name = getattr(obj, "__qualname__", None)
-    except Exception:  # (its own error for a name it does not hold)
-        return None
-    return name if isinstance(name, str) else None
-
-
-def _function_of(hook: Any) -> Any:
-    """The function a hook runs: a ``functools.partial``'s and a bound method's own, at any
-    depth; the hook itself otherwise."""
-    for _ in range(MAX_DEPTH):
-        inner = (
-            hook.func if isinstance(hook, functools.partial) else getattr(hook, "__func__", None)
-        )
-        if inner is None:
-            return hook
-        hook = inner
-    return hook
-
-
-def _hook_name(hook: Any) -> str:
-    """A hook's name for a warning: its qualified name (a method's is ``Class.method``), a
-    ``functools.partial`` by the function it wraps, else its class's name."""
-    if isinstance(hook, functools.partial):
-        return f"functools.partial({_hook_name(hook.func)})"
-    return _qualname(hook) or type(hook).__name__
-
-
-def _written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str:
-    """The warning for ``obj``, a holder the replicas share that forward wrote, found from the
-    module at preorder ``index`` of ``root``'s tree (named with the attribute or hook variable
-    that holds it, where one does directly)."""
-    named = list(root.named_modules())  # (preorder, each module once: the set's indices)
-    name, module = named[index] if index < len(named) else ("", root)
-    where = f"module {name!r}" if name else "the module itself"
-    how = f"an object {where} reaches"
-    if obj is getattr(type(module), "forward", None):  # (a ``global`` its forward rebinds)
-        how = f"a variable or attribute of the forward {_qualname(obj)} of {where}"
-    for key, value in module.__dict__.items():
-        items = value.values() if type(value) is dict else value if type(value) is list else ()
-        if any(item is obj for item in items):
-            how = f"an item of the attribute {key!r} of {where}"
-        if value is obj:
-            how = f"the attribute {key!r} of {where}"
-    for table in REBOUND_TABLES:
-        for hook in (module.__dict__.get(table) or {}).values():
-            func = _function_of(hook)
-            cells = getattr(func, "__closure__", None) or ()
-            # (the hook's function itself: one of its own variables or attributes, a
-            # ``nonlocal`` or ``global`` it rebinds, ``hook.calls += 1``; else a holder in
-            # one of its variables)
-            if func is obj or any(filled(cell) and cell.cell_contents is obj for cell in cells):
-                kind = _KINDS.get(table, "hook")
-                how = f"a variable or attribute of the {kind} {_hook_name(hook)} of {where}"
-    return (
-        f"module: forward wrote {how}, a {type(obj).__name__} the {replicas} replicas share (it "
-        f"leads to no module, so it is not copied for each): every replica that reaches it "
-        f"wrote it, so a write one device makes once per forward (an append, a count) was made "
-        f"up to {replicas} times in this call, each from its replica's chunk. To keep one write "
-        f"per call, make it from the wrapper's output after the call, or keep the state in a "
-        f"tensor buffer (written once per call, from replica 0's chunk)"
     )

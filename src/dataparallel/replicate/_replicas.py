@@ -38,7 +38,7 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, moved_data_only, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
-from dataparallel.replicate._copy import slot_names
+from dataparallel.replicate._kinds import slot_names
 from dataparallel.replicate._rebind import (
     HOOKS_SEEN,
     SERIAL,
