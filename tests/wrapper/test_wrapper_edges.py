@@ -238,6 +238,59 @@ def test_waves_write_module_state_once_per_call_from_the_first_wave(devices: lis
         torch.testing.assert_close(net.bn.running_var, ref.bn.running_var)
 
 
+class ReadsWhatItWrites(nn.Module):
+    """A forward whose output reads the state it then writes: a counter, a buffer and an EMA
+    teacher (a frozen copy of the student, moved toward it in place). Each write is the same
+    from every chunk, so one device's state after each call is known exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.student = nn.Linear(4, 3)
+        self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+        with torch.no_grad():
+            self.teacher.weight.mul_(-1.0)
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.student(x) * (1 + self.calls) + self.teacher(x) + self.seen
+        self.calls += 1
+        self.seen += 1.0
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.student.parameters(), strict=True):
+                t.lerp_(s, 0.5)
+        return out
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "mixed"])
+def test_later_waves_read_the_state_the_call_began_with(devices: list[str]) -> None:
+    """Stop 77, M5 of issue 60: on one device every sample of a call sees the state the call
+    began with. The later waves' copies were made after the first wave's replica 0 (the
+    module) had written its counter, buffer and teacher, so they computed with the state one
+    call ahead, a later wave's teacher write landed on the module too, and the third wave read
+    the second's own writes: output rows off by up to 4.7 from the first call on, silently."""
+    from _close import assert_close_rel
+
+    net = ReadsWhatItWrites()
+    ref = copy.deepcopy(net)
+    model = dp.DataParallel(net, devices, max_size=2)
+    x = torch.randn(12, 4)
+    for call in range(1, 4):
+        out = model(x)
+        assert model.last_call is not None and model.last_call.waves > 1
+        want = ref(x)
+        assert_close_rel(out, want, msg=f"output, call {call}")
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for p, q in zip(net.student.parameters(), ref.student.parameters(), strict=True):
+            assert_close_rel(p.grad, q.grad, msg=f"grad, call {call}")  # type: ignore[arg-type]
+        assert net.calls == ref.calls == call
+        assert_close_rel(net.seen, ref.seen, msg=f"buffer, call {call}")
+        for t, r in zip(net.teacher.parameters(), ref.teacher.parameters(), strict=True):
+            assert_close_rel(t, r, msg=f"teacher, call {call}")
+
+
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "mixed"])
 def test_waves_give_one_devices_outputs_and_gradients(devices: list[str]) -> None:
     from _close import assert_close_rel

@@ -199,6 +199,21 @@ class ReplicaSets:
             self.module, self.sets = module, {}
         return _replicas_of(self.sets, module, resolved, _always)
 
+    def refill(self, module: nn.Module, devices: Sequence[DeviceSpec]) -> None:
+        """Have the next :meth:`replicate` of ``module`` on ``devices`` refill every replica's
+        dictionary from the module (``Replicas.refill``): their last forwards wrote what is to
+        be dropped. Nothing where none are kept."""
+        resolved = _prepare(module, devices)
+        table: dict[_Devices, Replicas] | None = None
+        if self.shared:
+            with _LOCK:
+                table = _CACHE.get(module)
+        elif module is self.module:
+            table = self.sets
+        entry = None if table is None else table.get(resolved)
+        if entry is not None:
+            entry.refill()
+
     def kept(self, module: nn.Module, devices: _Devices) -> Kept | None:
         """The replicas kept for ``devices`` (resolved, as ``replicate`` keys them), in line
         with ``module`` now: what :meth:`replicate` returns on a warm call, without resolving

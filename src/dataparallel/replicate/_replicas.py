@@ -180,6 +180,7 @@ class Replicas(TensorSync):
         self.current: list[torch.Tensor] = list(self.buffers)
         self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
+        self.stale = False  # every replica's dictionary to be refilled at the next sync
         # ``kept``'s answer, and the snapshot it holds with (``None``: none held, a new sync)
         self.answer: Kept | None = None
         self.warm: Snapshot | None = None
@@ -211,9 +212,13 @@ class Replicas(TensorSync):
         dictionaries are refilled (all of them on the first call).
         """
         snapshot = self.snapshot
+        stale, self.stale = self.stale, False
         if snapshot is not None and snapshot.same() and self.rebinding.same():
-            self._refresh(root)
-            return self._roots(root)
+            if not stale:
+                self._refresh(root)
+                return self._roots(root)
+            self.refilled = []  # (nothing to search again: the module was not written)
+            return self._sync(root, None, search=[])
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
             return None
@@ -224,7 +229,10 @@ class Replicas(TensorSync):
         else:
             # a module written, or a holder its replicas copied (a list of submodules)
             self.refilled = sorted({*snapshot.changed(), *self.rebinding.changed()})
-            replicas = self._sync(root, self.refilled)
+            if stale:  # every dictionary refilled, the written modules searched again
+                replicas = self._sync(root, None, search=self.refilled)
+            else:
+                replicas = self._sync(root, self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
 
@@ -246,6 +254,15 @@ class Replicas(TensorSync):
         self.warm = self.snapshot
         return self.answer
 
+    def refill(self) -> None:
+        """Have the next sync refill every replica's dictionary from its module: their
+        forwards wrote their own attributes (``self.calls += 1`` on a copy whose writes are
+        dropped, a later wave's under ``max_size``), which no snapshot of the module sees. The
+        module's own state is as the last sync found it or not, as the snapshot says; what
+        the search found in it stands unless it was written."""
+        self.stale = True
+        self.warm = None
+
     def sync_once(self, root: nn.Module) -> list[nn.Module]:
         """The first sync of a new set, with no snapshot kept (``fresh_replicate``)."""
         self.refilled = list(range(len(self.sources)))
@@ -263,16 +280,19 @@ class Replicas(TensorSync):
 
     # -- the whole sync ---------------------------------------------------------------------
 
-    def _sync(self, root: nn.Module, only: list[int] | None) -> list[nn.Module]:
+    def _sync(
+        self, root: nn.Module, only: list[int] | None, search: list[int] | None = None
+    ) -> list[nn.Module]:
         """Bring every replica in line with the module's current state; return the roots.
 
-        ``only``: the modules whose dictionaries must be refilled (``None``: all of them).
+        ``only``: the modules whose dictionaries must be refilled (``None``: all of them);
+        ``search``: those whose holdings are searched again (``None``: those of ``only``).
         """
         per_device = self.writes.private(self._sync_params())
         buffers = self._current_buffers(root)
         self._sync_buffers(buffers)
         self.current = buffers
-        self._fill(root, buffers, only)
+        self._fill(root, buffers, only, search)
         if self.slotted:
             self._copy_slots(root)
         self.fills, self.warm = self.fills + 1, None  # (a fill may mark them: ``kept``)
@@ -369,9 +389,16 @@ class Replicas(TensorSync):
             replicas[0] = root
         return replicas
 
-    def _fill(self, root: nn.Module, buffers: list[torch.Tensor], only: list[int] | None) -> None:
+    def _fill(
+        self,
+        root: nn.Module,
+        buffers: list[torch.Tensor],
+        only: list[int] | None,
+        search: list[int] | None = None,
+    ) -> None:
         """Refill the replicas' ``__dict__``s of the modules in ``only`` (all when ``None``)
-        from their sources': plain attributes, training flags, hooks, children.
+        from their sources': plain attributes, training flags, hooks, children; the rebinding
+        search reads again those of ``search`` (``None``: those of ``only``; ``Rebinding.plan``).
 
         Each replica gets a new dictionary (one C-level copy costs less than clearing and
         refilling the old one) with fresh tables, so nothing a forward does to a replica
@@ -384,7 +411,9 @@ class Replicas(TensorSync):
         rebinding = self.rebinding
         # An OptimizedModule has no replica of its own (its node holds its child's).
         indices = range(len(modules)) if only is None else only
-        rebinding.plan(modules, [i for i in indices if self.sources[i].through is None])
+        searched = indices if search is None else search
+        if searched:
+            rebinding.plan(modules, [i for i in searched if self.sources[i].through is None])
         for replica in self.replicas[self.first :]:
             nodes = replica.nodes if only is None else [replica.nodes[i] for i in only]
             private: list[torch.Tensor] | None = None
@@ -415,6 +444,7 @@ class Replicas(TensorSync):
         # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
         reason = rebinding.reason(modules, len(self.devices))
         self.writes.holders = rebinding
+        self.writes.head = None if self.own else id(self.replicas[0].nodes[0].module)
         hooks = [
             tuple(map(id, table.values()))
             for m in modules

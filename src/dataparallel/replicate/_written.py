@@ -73,6 +73,7 @@ class ForwardWrites:
         "frozen",
         "frozen_marks",
         "guard",
+        "head",
         "holders",
         "landed",
         "params",
@@ -105,6 +106,10 @@ class ForwardWrites:
         # The replica set's ``Rebinding``, whose shared holders are read after the call (set
         # at each install; ``None``: none to read).
         self.holders: Any = None
+        # The id of the set's replica 0 where it is a copy; ``None`` where it is the module
+        # itself (which holds no ``WRITES``). A call that ran without it (a later wave under
+        # ``max_size``) lands no write: its copies' writes are dropped.
+        self.head: int | None = None
 
     def arm(self) -> bool:
         """For replicas that share the parameters themselves (no copy on any device): guard
@@ -215,8 +220,10 @@ class ForwardWrites:
         self.clones = kept
         return out
 
-    def land(self, replica: Any) -> None:
-        """After the replicas ran: a frozen parameter that a replica after the first wrote and
+    def land(self, replica: Any, dropped: bool = False) -> None:
+        """After the replicas ran (``dropped``: without replica 0 of the set, as a later wave
+        under ``max_size`` runs, whose writes are all dropped, so nothing lands and nothing is
+        said): a frozen parameter that a replica after the first wrote and
         replica 0 did not (a write made only for a chunk that holds some sample: a counter of
         flagged samples) gets that replica's write, the first such replica's, as one device
         writes it once per call; said once per parameter, since every other replica computed
@@ -260,6 +267,8 @@ class ForwardWrites:
                 entry = clones.get((j, i))
                 if entry is not None and entry[2] is not None:
                     clones[j, i] = (entry[0], entry[1], None)
+        if dropped:
+            return
         done: set[int] = set()
         # (the slots some replica after the first wrote: one pass, not one per pair)
         others = {i for k, (i, _) in enumerate(pairs) if written[n + k]}
@@ -341,7 +350,12 @@ def check_writes(replicas: Sequence[Any]) -> None:
                 if now != writes.before:
                     writes.refuse(replicas[0], now)
             if writes.frozen[0]:
-                writes.land(replicas[0])
+                first = replicas[0]
+                if writes.head is None:
+                    ran = getattr(first, "__dict__", _NO_MARKS).get(WRITES) is not writes
+                else:
+                    ran = id(first) == writes.head
+                writes.land(first, dropped=not ran)
             holders = writes.holders
             if holders is not None and holders.watched:
                 holders.said_written(replicas[0], len(replicas))

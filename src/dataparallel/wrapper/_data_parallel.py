@@ -342,18 +342,29 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
         chunk_args: list[Any] = []
         chunk_kws: list[Any] = []
         chunk_replicas: list[nn.Module] = []
-        for later, wave in enumerate(plan.slices):
+        # The later waves run first, then the first: every later wave's copies are made from
+        # the state the call began with, as one device reads it for every sample, before the
+        # first wave's replica 0 (the module) writes its counters, buffers and teachers.
+        waves = len(plan.slices)
+        ran: dict[int, tuple[Any, ...]] = {}
+        for later in [*range(1, waves), 0]:
             args, kws, wave_devices, wave_sizes = scatter_wave(
-                self, plan, wave, inputs, kwargs, steps
+                self, plan, plan.slices[later], inputs, kwargs, steps
             )
             if marks or count is not None:
                 args, kws = mark_inputs(args, kws, marks, count, slot)
             replicas = replicate_wave(self, wave_devices, bool(later), steps)
-            outputs += apply_wave(
-                self, replicas, args, kws, wave_devices, steps, timers, later, method
+            wave_timers: list[Any] = []
+            wave_outputs = apply_wave(
+                self, replicas, args, kws, wave_devices, steps, wave_timers, later, method
             )
+            ran[later] = (wave_outputs, wave_devices, wave_sizes, wave_timers, args, kws, replicas)
+        for later in range(waves):  # in the batch's order
+            wave_outputs, wave_devices, wave_sizes, wave_timers, args, kws, replicas = ran[later]
+            outputs += wave_outputs
             devices += wave_devices
             sizes += wave_sizes
+            timers += wave_timers
             chunk_args += args
             chunk_kws += kws
             chunk_replicas += replicas

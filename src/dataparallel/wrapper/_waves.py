@@ -165,7 +165,13 @@ def replicate_wave(
         finally:
             w.__dict__.pop("_copies_only", None)
     if later:
-        return w.replicate(module, [w.src_device_obj, *devices])[1:]
+        # (each later wave from the module's dictionaries: the copies' own writes of the wave
+        # before, or of the call before, are dropped)
+        key = [w.src_device_obj, *devices]
+        sets = w.__dict__.get("_replica_sets")
+        if sets is not None:
+            sets.refill(module, key)
+        return w.replicate(module, key)[1:]
     return w.replicate(module, devices)
 
 
