@@ -53,7 +53,7 @@ lint: $(STAMP)
 # Every run says what it ran on: CI runs several (.ci/run). The suite runs on TEST_WORKERS
 # processes at once (pytest-xdist): each file not marked `slow` is a unit of work, its tests
 # together and in order on one worker; the `slow` tests (real processes, end-to-end commands,
-# limits in seconds) run in four chains, each one test at a time on a worker of its own
+# limits in seconds) run in three chains, each one test at a time on a worker of its own
 # (tests/conftest.py, SLOW_CHAINS), started first since they are the longest. Each worker, and
 # each process a test starts, computes on TEST_THREADS threads (OMP_NUM_THREADS): the workers
 # already fill the cores, and torch's default of one thread per core in each of them made the
