@@ -353,7 +353,7 @@ class DataParallel(ModuleNames, CallState, nn.DataParallel):
             )
             if marks or count is not None:
                 args, kws = mark_inputs(args, kws, marks, count, slot)
-            replicas = replicate_wave(self, wave_devices, bool(later), steps)
+            replicas = replicate_wave(self, wave_devices, bool(later), steps, waves)
             wave_timers: list[Any] = []
             wave_outputs = apply_wave(
                 self, replicas, args, kws, wave_devices, steps, wave_timers, later, method

@@ -142,7 +142,7 @@ def scatter_wave(
 
 
 def replicate_wave(
-    w: Wrapper, devices: list[torch.device], later: bool, steps: Overrides
+    w: Wrapper, devices: list[torch.device], later: bool, steps: Overrides, waves: int = 1
 ) -> list[nn.Module]:
     """Replica 0 is the module itself: one chunk on its own device needs no replicate.
 
@@ -150,9 +150,12 @@ def replicate_wave(
     Every later wave runs on copies only (the replicas after the module's own in a set with
     one more replica in front), so what a forward writes (``w.calls += 1``, BatchNorm's
     running statistics and ``num_batches_tracked``) lands once per call, from the first
-    wave's replica 0; the copies' writes are dropped.
+    wave's replica 0; the copies' writes are dropped. Where the copies of one set run in
+    several waves of a call (``waves``), each wave's are refilled from the module first, so no
+    wave reads what another's copies wrote.
     """
     module = cast(nn.Module, w._modules["module"])  # (past nn.Module.__getattr__)
+    sets = w.__dict__.get("_replica_sets")
     if len(devices) == 1 and devices[0] == w.src_device_obj and not later:
         return [module]
     if steps.replicate or "replicate" in w.__dict__:
@@ -160,15 +163,14 @@ def replicate_wave(
         # (Synchronized-BatchNorm's __data_parallel_replicate__ tags them as parallel): every
         # replica is then a copy, as torch's replica 0 is, and the module comes out untouched.
         w.__dict__["_copies_only"] = True
+        if waves > 1 and sets is not None:  # (the set ``DataParallel.replicate`` then uses)
+            sets.refill(module, [w.src_device_obj, *devices])
         try:
             return w.replicate(module, devices)
         finally:
             w.__dict__.pop("_copies_only", None)
     if later:
-        # (each later wave from the module's dictionaries: the copies' own writes of the wave
-        # before, or of the call before, are dropped)
         key = [w.src_device_obj, *devices]
-        sets = w.__dict__.get("_replica_sets")
         if sets is not None:
             sets.refill(module, key)
         return w.replicate(module, key)[1:]
