@@ -38,6 +38,7 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, moved_data_only, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
+from dataparallel.replicate._custom import sync_custom
 from dataparallel.replicate._kinds import slot_names
 from dataparallel.replicate._rebind import (
     HOOKS_SEEN,
@@ -357,7 +358,7 @@ class Replicas(TensorSync):
             for node in full:
                 s = node.source
                 if s.custom:  # a custom replication hook or __setattr__
-                    self._sync_custom(root, replica, node, tensors, buffers)
+                    sync_custom(root, replica, node, tensors, buffers, self)
                     continue
                 d = node.module.__dict__
                 if s.param_names and new_params:
@@ -434,7 +435,7 @@ class Replicas(TensorSync):
                         private = replica.buffers(buffers)
                     d["_parameters"] = ParameterTable(node.module, dict.fromkeys(s.none_params))
                     d["_buffers"] = buffer_table(s, private)
-                self._own_state(d, node.hooks, modules[s.index])
+                self.own_state(d, node.hooks, modules[s.index])
                 keys = rebinding.keys.get(s.index)
                 if keys:  # methods and hooks bound to the tree: bound to this replica
                     if mapping is None:
@@ -461,7 +462,7 @@ class Replicas(TensorSync):
             else:
                 d[SERIAL] = reason
 
-    def _own_state(self, d: dict[str, Any], hooks: list[Any], source: nn.Module) -> None:
+    def own_state(self, d: dict[str, Any], hooks: list[Any], source: nn.Module) -> None:
         """What a replica's new ``__dict__`` must not share with its source's."""
         own_hooks(d, hooks)
         d["zero_grad"] = replica_zero_grad  # never the module's gradients from a replica
@@ -481,45 +482,3 @@ class Replicas(TensorSync):
             f"their own copies eagerly; to compile every replica, let the wrapper compile them: "
             f"dp.DataParallel(model, devices, compile=True)"
         )
-
-    def _sync_custom(
-        self,
-        root: nn.Module,
-        replica: Replica,
-        node: Node,
-        tensors: list[torch.Tensor],
-        buffers: list[torch.Tensor],
-    ) -> None:
-        """Re-sync a replica of a module with its own replication hook or ``__setattr__``."""
-        s = node.source
-        src = root if s.module is None else s.module
-        d = src._replicate_for_data_parallel().__dict__.copy()
-        none_params = s.none_params
-        d["_parameters"] = dict.fromkeys(none_params) if none_params else {}
-        d["_modules"] = node.children.copy()
-        d["_is_replica"] = True
-        d["_buffers"] = buffer_table(s, buffers)
-        attrs: OrderedDict[str, torch.Tensor] = OrderedDict(
-            zip(s.param_names, map(tensors.__getitem__, s.param_slots), strict=True)
-        )
-        d["_former_parameters"] = attrs
-        self._own_state(d, node.hooks, src)
-        keys = self.rebinding.keys.get(s.index)
-        if keys:
-            modules = self.modules(root)
-            objects = [n.module for n in replica.nodes]
-            rebind_state(d, keys, self.rebinding.mapping(modules, objects), node.module)
-        rep = node.module
-        for mark in (SERIAL, WRITES):  # the root's marks, set by the last fill
-            if mark in rep.__dict__:
-                d[mark] = rep.__dict__[mark]
-        object.__setattr__(rep, "__dict__", d)
-        if attrs:
-            for name, value in attrs.items():
-                setattr(rep, name, value)  # e.g. RNN refreshes its flat weights
-            # setattr registers a same-device Parameter (and a copy lands in ``__dict__``):
-            # make both hold every tensor, as ``_install`` does for plain modules.
-            rep.__dict__.update(attrs)
-            table = ParameterTable(rep, dict.fromkeys(none_params))
-            dict.update(table, attrs)
-            rep.__dict__["_parameters"] = table
