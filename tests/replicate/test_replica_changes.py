@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 
 from dataparallel.replicate import replicate
 from dataparallel.replicate._check import Snapshot
+from dataparallel.replicate._replicas import Replicas
 
 # "cpu:1" makes replica 1 a copy on another device (parameters copied), so both the shared
 # and the copied paths are checked.
@@ -191,31 +192,44 @@ def test_a_change_after_the_fast_path_is_seen(change: str, devices: list[str]) -
     _check(model, devices)  # and the call after it, on the fast path again
 
 
-def test_an_unchanged_module_keeps_its_replica_objects() -> None:
+def test_an_unchanged_module_keeps_its_replica_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _flex()
     x = torch.randn(6, 4)
     with torch.no_grad():
         first = replicate(model, ["cpu", "cpu:1"])
-        dicts = [m.__dict__ for m in first[1].modules()]
+        fills = _fills(monkeypatch)
         for _ in range(3):
             replicas = replicate(model, ["cpu", "cpu:1"])
             for replica in replicas:
                 replica(x)
         assert all(a is b for a, b in zip(first, replicas, strict=True))
         # nothing was written, so no replica dictionary was refilled
-        assert all(a is b.__dict__ for a, b in zip(dicts, replicas[1].modules(), strict=True))
+        assert fills == []
 
 
-def test_only_the_written_module_is_refilled() -> None:
+def _fills(monkeypatch: pytest.MonkeyPatch) -> list[list[int] | None]:
+    """What each refill of the replicas' dictionaries was for (``None``: every module), as it
+    happens (the dictionaries themselves are refilled in place)."""
+    seen: list[list[int] | None] = []
+    fill = Replicas._fill
+
+    def spy(self: Replicas, root: nn.Module, buffers: Any, only: Any, search: Any = None) -> None:
+        seen.append(None if only is None else list(only))
+        fill(self, root, buffers, only, search)
+
+    monkeypatch.setattr(Replicas, "_fill", spy)
+    return seen
+
+
+def test_only_the_written_module_is_refilled(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _flex()
     with torch.no_grad():
         _, r1 = replicate(model, ["cpu", "cpu"])
-        before = {name: m.__dict__ for name, m in r1.named_modules()}
+        fills = _fills(monkeypatch)
         model.seq[1].extra_flag = True
         _, again = replicate(model, ["cpu", "cpu"])
-    after = {name: m.__dict__ for name, m in again.named_modules()}
-    changed = sorted(name for name in before if before[name] is not after[name])
-    assert changed == ["seq.1"]
+    names = [name for name, _ in model.named_modules()]
+    assert again is r1 and [[names[i] for i in only or ()] for only in fills] == [["seq.1"]]
     assert again.seq[1].extra_flag is True
 
 

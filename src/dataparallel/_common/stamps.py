@@ -75,7 +75,7 @@ class Stamps:
     ``__dict__`` first (see the module's docstring).
     """
 
-    __slots__ = ("_dicts", "_index", "_read", "_saved", "_view", "_words")
+    __slots__ = ("_dicts", "_index", "_order", "_read", "_saved", "_view", "_words")
 
     def __init__(
         self, dicts: list[dict[Any, Any]], borrowed: int = 0, owners: Iterable[object] = ()
@@ -99,6 +99,8 @@ class Stamps:
         view: Any = np.asarray(_Memory(base, span // 8))
         self._view = view
         self._index = np.sort((offsets // np.uint64(8)).astype(np.intp))
+        # each read place's dictionary, by its index in ``dicts`` (``moved``)
+        self._order: list[int] = np.argsort(offsets, kind="stable").tolist()
         self._words = memoryview(view).cast("B").cast("Q")
         self._read: Callable[[memoryview], tuple[int, ...]] | None = None
         if len(dicts) < _GATHER_FROM:
@@ -117,6 +119,21 @@ class Stamps:
     def take(self) -> None:
         """Keep the tags as they are now."""
         self._saved = self.read()
+
+    def moved(self) -> list[int]:
+        """The indices in ``dicts`` of the dictionaries written since :meth:`take` (all of
+        them before the first), in order: what :meth:`same` answers, one by one."""
+        now, saved = self.read(), self._saved
+        order = self._order
+        if not saved:
+            return sorted(order)
+        if isinstance(now, bytes) and isinstance(saved, bytes):
+            places = np.flatnonzero(
+                np.frombuffer(now, np.uint64) != np.frombuffer(saved, np.uint64)
+            ).tolist()
+        else:
+            places = [p for p in range(len(order)) if now[p] != saved[p]]
+        return sorted(order[p] for p in places)
 
     def same(self) -> bool:
         """Whether none of the dictionaries was written since :meth:`take`."""

@@ -4,10 +4,14 @@ its parameters). Its dictionary is made by that hook at each sync of new tensors
 parameters are set through ``setattr``, so the class's own code sees them; the rest is as for
 any replica (its own hook tables, the tree rebound to it, the root's marks kept). Apart from
 ``_replicas``, which fills the plain modules' dictionaries itself.
+
+And the other state a replica holds outside its dictionary: a slotted class's slot values
+(``copy_slots``), copied on every sync.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -21,7 +25,7 @@ from dataparallel.replicate._written import WRITES
 if TYPE_CHECKING:
     from dataparallel.replicate._replicas import Replicas
 
-__all__ = ["sync_custom"]
+__all__ = ["copy_slots", "sync_custom"]
 
 
 def sync_custom(
@@ -67,3 +71,20 @@ def sync_custom(
         table = ParameterTable(rep, dict.fromkeys(none_params))
         dict.update(table, attrs)
         rep.__dict__["_parameters"] = table
+
+
+def copy_slots(
+    modules: list[nn.Module], slotted: list[tuple[int, tuple[str, ...]]], replicas: list[Replica]
+) -> None:
+    """Each slotted module's slot values (``slotted``: its preorder index and slot names), as
+    they are now, on its replicas in ``replicas`` (an unset slot unset there too)."""
+    for i, names in slotted:
+        source = modules[i]
+        for replica in replicas:
+            target = replica.nodes[i].module
+            for name in names:
+                try:
+                    object.__setattr__(target, name, object.__getattribute__(source, name))
+                except AttributeError:  # unset on the module: unset on the replica
+                    with contextlib.suppress(AttributeError):
+                        object.__delattr__(target, name)

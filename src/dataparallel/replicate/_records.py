@@ -81,16 +81,18 @@ class Source:
 
 class Node:
     """One replica of one module: the replica object, its source, the children its
-    ``__dict__`` gets (replicas on the same device) and its own hook tables (see
-    ``own_hooks``)."""
+    ``__dict__`` gets (replicas on the same device), its own hook tables (see ``own_hooks``)
+    and its own children, parameter and buffer tables (``tables``: made at its first fill,
+    refilled in place from then on, so a watch of them holds; ``_own``)."""
 
-    __slots__ = ("children", "hooks", "module", "source")
+    __slots__ = ("children", "hooks", "module", "source", "tables")
 
     def __init__(self, module: nn.Module, source: Source) -> None:
         self.module = module
         self.source = source
         self.children: dict[str, nn.Module | None] = {}
         self.hooks: list[Any] = [None] * len(HOOK_TABLES)
+        self.tables: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = None
 
 
 class Replica:
@@ -309,19 +311,23 @@ HOOK_TABLES = (
 
 
 def own_hooks(d: dict[str, Any], mine: list[Any]) -> None:
-    """Give a replica's new ``__dict__`` hook tables of its own, equal to its source's.
+    """Give a replica's refilled ``__dict__`` hook tables of its own, equal to its source's.
 
     A replica's ``__dict__`` is a shallow copy of its source's: without this, a hook registered
     during a replica's forward would land in the user's module too and fire twice from then on
-    (torch's replicate has that flaw). ``mine`` holds the replica's tables between fills: while
-    both the source's and the replica's are empty (the usual case) the same empty table is
-    reused, otherwise the source's is copied, so the replica always starts with its source's
-    hooks and nothing it registers outlives the next fill.
+    (torch's replicate has that flaw). ``mine`` holds the replica's tables between fills, each
+    made once as a copy of its source's and refilled in place from then on (unless both are
+    empty, the usual case), so the replica always starts with its source's hooks, nothing it
+    registers outlives the next fill, and a watch of its tables (``_own``) holds.
     """
     for k, name in enumerate(HOOK_TABLES):
         src = d.get(name)
         if src is None:
             continue
-        if src or mine[k] is None or mine[k]:
-            mine[k] = src.copy()
-        d[name] = mine[k]
+        table = mine[k]
+        if table is None or type(table) is not type(src):
+            mine[k] = table = src.copy()
+        elif src or table:
+            table.clear()
+            table.update(src)
+        d[name] = table

@@ -27,7 +27,6 @@ once per replica set. Nothing here writes the user's modules.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections import OrderedDict
 from typing import Any
@@ -38,8 +37,9 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, moved_data_only, structure_key
 from dataparallel.replicate._compiled import check_not_compiled, compiled_class
-from dataparallel.replicate._custom import sync_custom
+from dataparallel.replicate._custom import copy_slots, sync_custom
 from dataparallel.replicate._kinds import slot_names
+from dataparallel.replicate._own import OwnWrites
 from dataparallel.replicate._rebind import (
     HOOKS_SEEN,
     SERIAL,
@@ -174,6 +174,8 @@ class Replicas(TensorSync):
             device_key(b.device) == key0 for b in self.buffers
         )
         self.first = 1 if self.own else 0  # the first replica that is synced
+        nodes = [n for r in self.replicas[self.first :] for n in r.nodes]  # (``_fill``'s:)
+        self.filled = [n for n in nodes if n.source.through is None and not n.source.custom]
         self.copies = bool(self.targets or self.buffers)  # (a copy to refresh on every call)
 
         # The module's buffers as of the last sync, the fused buffer copy the next sync may
@@ -182,6 +184,8 @@ class Replicas(TensorSync):
         self.ready: Ready | None = None
         self.snapshot: Snapshot | None = None
         self.stale = False  # every replica's dictionary to be refilled at the next sync
+        # What the replicas' own forwards wrote on themselves: refilled at the next sync.
+        self.own_writes = OwnWrites()
         # ``kept``'s answer, and the snapshot it holds with (``None``: none held, a new sync)
         self.answer: Kept | None = None
         self.warm: Snapshot | None = None
@@ -214,12 +218,13 @@ class Replicas(TensorSync):
         """
         snapshot = self.snapshot
         stale, self.stale = self.stale, False
+        written = self.own_writes.written()  # (by the replicas alone: nothing to search)
         if snapshot is not None and snapshot.same() and self.rebinding.same():
-            if not stale:
+            if not (stale or written):
                 self._refresh(root)
                 return self._roots(root)
             self.refilled = []  # (nothing to search again: the module was not written)
-            return self._sync(root, None, search=[])
+            return self._sync(root, None if stale else written, search=[])
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
             return None
@@ -227,13 +232,14 @@ class Replicas(TensorSync):
         if snapshot is None:
             replicas = self.sync_once(root)
             self.snapshot = Snapshot(modules, storage=bool(self.targets or self.buffers))
+            self.own_writes.take()
         else:
             # a module written, or a holder its replicas copied (a list of submodules)
             self.refilled = sorted({*snapshot.changed(), *self.rebinding.changed()})
-            if stale:  # every dictionary refilled, the written modules searched again
-                replicas = self._sync(root, None, search=self.refilled)
-            else:
-                replicas = self._sync(root, self.refilled)
+            # every dictionary where stale, else those and the replicas' own writes; the
+            # written modules searched again
+            only = None if stale else sorted({*self.refilled, *written})
+            replicas = self._sync(root, only, search=self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
 
@@ -242,9 +248,14 @@ class Replicas(TensorSync):
         ``syncbn``: one answer, kept from one sync to the next (only a fill marks them), read
         as it is while nothing is written. ``None`` when the structure changed."""
         snapshot, rebinding = self.warm, self.rebinding
-        if snapshot is not None and snapshot.same() and (not rebinding.watched or rebinding.same()):
+        if (
+            snapshot is not None
+            and snapshot.same()
+            and (not rebinding.watched or rebinding.same())
+            and not self.own_writes.written()
+        ):
             if self.slotted:  # (``_refresh``, inlined)
-                self._copy_slots(root)
+                copy_slots(self.modules(root), self.slotted, self.replicas[self.first :])
             if self.copies or self.writes.arm():
                 self._resync(root)
             return self.answer
@@ -295,11 +306,11 @@ class Replicas(TensorSync):
         self.current = buffers
         self._fill(root, buffers, only, search)
         if self.slotted:
-            self._copy_slots(root)
+            copy_slots(self.modules(root), self.slotted, self.replicas[self.first :])
         self.fills, self.warm = self.fills + 1, None  # (a fill may mark them: ``kept``)
         for replica in self.replicas:
             replica.params_in = replica.buffers_in = None
-        self._install(root, per_device)
+        self._install(root, per_device, filled=True)
         return self._roots(root)
 
     def _refresh(self, root: nn.Module) -> None:
@@ -312,7 +323,7 @@ class Replicas(TensorSync):
         parameters themselves, which a write past the snapshot's notice cannot replace.
         """
         if self.slotted:
-            self._copy_slots(root)
+            copy_slots(self.modules(root), self.slotted, self.replicas[self.first :])
         if self.copies or self.writes.arm():
             self._resync(root)
 
@@ -322,23 +333,13 @@ class Replicas(TensorSync):
         self._sync_buffers(self.current)
         self._install(root, per_device)
 
-    def _copy_slots(self, root: nn.Module) -> None:
-        """Each slotted module's slot values, as they are now, on its replicas (an unset slot
-        unset there too); called where ``slotted`` is not empty."""
-        modules = self.modules(root)
-        for i, names in self.slotted:
-            source = modules[i]
-            for replica in self.replicas[self.first :]:
-                target = replica.nodes[i].module
-                for name in names:
-                    try:
-                        object.__setattr__(target, name, object.__getattribute__(source, name))
-                    except AttributeError:  # unset on the module: unset on the replica
-                        with contextlib.suppress(AttributeError):
-                            object.__delattr__(target, name)
-
-    def _install(self, root: nn.Module, per_device: list[list[torch.Tensor]]) -> None:
-        """Point each replica at this call's parameter and buffer tensors, where they are new."""
+    def _install(
+        self, root: nn.Module, per_device: list[list[torch.Tensor]], filled: bool = False
+    ) -> None:
+        """Point each replica at this call's parameter and buffer tensors, where they are new;
+        then take what the replicas hold as the state their forwards start from (``filled``:
+        their dictionaries were refilled too)."""
+        wrote = filled
         for replica, tensors in zip(self.replicas, per_device, strict=True):
             full = replica.full
             if not full or (replica is self.replicas[0] and self.own):
@@ -353,6 +354,7 @@ class Replicas(TensorSync):
             )
             if not (new_params or new_buffers):
                 continue
+            wrote = True
             take_param = tensors.__getitem__
             take_buffer = buffers.__getitem__
             for node in full:
@@ -383,6 +385,8 @@ class Replicas(TensorSync):
                     self.modules(root), [n.module for n in replica.nodes], holders, own
                 )
             replica.params_in, replica.buffers_in = tensors, buffers
+        if wrote and self.snapshot is not None:
+            self.own_writes.take()
 
     def _roots(self, root: nn.Module) -> list[nn.Module]:
         replicas = [r.nodes[0].module for r in self.replicas]
@@ -401,10 +405,10 @@ class Replicas(TensorSync):
         from their sources': plain attributes, training flags, hooks, children; the rebinding
         search reads again those of ``search`` (``None``: those of ``only``; ``Rebinding.plan``).
 
-        Each replica gets a new dictionary (one C-level copy costs less than clearing and
-        refilling the old one) with fresh tables, so nothing a forward does to a replica
-        outlives it. Parameters are put in by ``_install``, and everything of a module with a
-        custom replication.
+        Each replica's dictionary and tables are cleared and refilled in place, so nothing a
+        forward did to a replica outlives the fill, and the watch of what the replicas' own
+        forwards write (``_own``) keeps reading the same objects. Parameters are put in by
+        ``_install``, and everything of a module with a custom replication.
         """
         modules = self.modules(root)
         set_dict = object.__setattr__
@@ -423,18 +427,28 @@ class Replicas(TensorSync):
                 s = node.source
                 if s.through is not None or s.custom:
                     continue
-                d = modules[s.index].__dict__.copy()
-                d["_modules"] = node.children.copy()
-                d["_is_replica"] = True
-                d["_former_parameters"] = new_od()
-                if s.plain:  # no parameters, no buffers, no custom hooks: most modules
-                    d["_parameters"] = {}
-                    d["_buffers"] = {}
-                else:
+                tables = node.tables
+                if tables is None:  # (its first fill: made once, refilled from then on)
+                    params = {} if s.plain else ParameterTable(node.module)
+                    tables = node.tables = ({}, params, {})
+                children, params, own_buffers = tables
+                children.clear()
+                children.update(node.children)
+                dict.clear(params)  # (past ``ParameterTable``'s writes to the attributes)
+                own_buffers.clear()
+                if not s.plain:  # parameters, buffers or custom hooks: not most modules
                     if private is None:
                         private = replica.buffers(buffers)
-                    d["_parameters"] = ParameterTable(node.module, dict.fromkeys(s.none_params))
-                    d["_buffers"] = buffer_table(s, private)
+                    dict.update(params, dict.fromkeys(s.none_params))
+                    own_buffers.update(buffer_table(s, private))
+                d = node.module.__dict__
+                d.clear()
+                d.update(modules[s.index].__dict__)
+                d["_modules"] = children
+                d["_is_replica"] = True
+                d["_former_parameters"] = new_od()
+                d["_parameters"] = params
+                d["_buffers"] = own_buffers
                 self.own_state(d, node.hooks, modules[s.index])
                 keys = rebinding.keys.get(s.index)
                 if keys:  # methods and hooks bound to the tree: bound to this replica
@@ -442,6 +456,7 @@ class Replicas(TensorSync):
                         mapping = rebinding.mapping(modules, [n.module for n in replica.nodes])
                     rebind_state(d, keys, mapping, node.module)
                 set_dict(node.module, "__dict__", d)
+        self.own_writes.watch(self.filled)
         # What cannot be rebound runs one replica at a time: parallel_apply reads the mark.
         reason = rebinding.reason(modules, len(self.devices))
         self.writes.holders = rebinding

@@ -1,0 +1,160 @@
+"""A replica's own write, made where the module wrote nothing, does not outlive its call.
+
+Replica 0 is the module; what a later replica's forward writes on itself is dropped (the guide,
+"A forward that writes its own state"). A write that only some chunk makes (a flag raised by a
+sample) can come from a later replica alone: the module is then unwritten, so no snapshot of it
+asks for a refill, and the replica used to keep its write into the next calls, computing its
+chunk from state no device holds. Each case below raises such a flag in replica 1's chunk only,
+then checks that the next calls compute every row from the module as it stands, as one device
+running that module does (the oracle), and that the flag's write stays off the module.
+
+The family: what is written (a plain attribute set, one deleted back to its class's value, a
+buffer reassigned, a child replaced, a hook registered, a parameter swapped through
+``_parameters``), on which module of the tree (the root or a child), on three CPU lists, read
+by write stamps and by the comparison CPython 3.10 falls back to.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dataparallel as dp
+from dataparallel.replicate import _own
+from dataparallel.replicate._replicas import Replicas
+
+DEVICE_LISTS = [["cpu", "cpu"], ["cpu", "cpu:1"], ["cpu", "cpu", "cpu"]]
+
+
+def _set_attribute(m: nn.Module) -> None:
+    m.mode = 5.0
+
+
+def _delete_attribute(m: nn.Module) -> None:
+    del m.mode  # the class's value (1.0) shows from then on
+
+
+def _reassign_buffer(m: nn.Module) -> None:
+    m.offset = m.offset + 5.0
+
+
+def _replace_child(m: nn.Module) -> None:
+    m.act = nn.Sigmoid()
+
+
+def _register_hook(m: nn.Module) -> None:
+    m.act.register_forward_hook(lambda _m, _i, out: out + 5.0)
+
+
+def _swap_parameter(m: nn.Module) -> None:
+    m.lin._parameters["bias"] = nn.Parameter(m.lin.bias.detach() + 5.0)
+
+
+WRITES: dict[str, Callable[[nn.Module], None]] = {
+    "attribute": _set_attribute,
+    "deleted": _delete_attribute,
+    "buffer": _reassign_buffer,
+    "child": _replace_child,
+    "hook": _register_hook,
+    "parameter": _swap_parameter,
+}
+
+
+class Block(nn.Module):
+    """Reads every kind of state the writes change; writes one kind when its chunk holds a
+    flagged sample (first feature over 100)."""
+
+    mode = 1.0  # (the class's value, under the instance's)
+
+    def __init__(self, write: Callable[[nn.Module], None]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.act = nn.Tanh()
+        self.mode = 2.0
+        self.register_buffer("offset", torch.zeros(3))
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.lin(x.clamp(max=1.0))) * self.mode + self.offset
+        if bool((x[:, 0] > 100).any()):
+            self.write(self)
+        return out
+
+
+class Outer(nn.Module):
+    """The same block one level down: the write lands on a child's replica."""
+
+    def __init__(self, write: Callable[[nn.Module], None]) -> None:
+        super().__init__()
+        self.inner = Block(write)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+@pytest.fixture(params=["stamps", "compared"])
+def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the replicas' tables are read: by write stamps where the interpreter has them, or
+    by comparing every entry (CPython 3.10, or stamps that cannot be read)."""
+    if request.param == "compared":
+        monkeypatch.setattr(_own, "stamps", lambda *_a, **_k: None)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("where", ["root", "child"])
+@pytest.mark.parametrize("kind", list(WRITES))
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "three"])
+def test_a_later_replicas_own_write_is_gone_at_the_next_call(
+    devices: list[str], kind: str, where: str, watch: str
+) -> None:
+    torch.manual_seed(0)
+    net: nn.Module = Block(WRITES[kind]) if where == "root" else Outer(WRITES[kind])
+    before = copy.deepcopy(net)
+    model = dp.DataParallel(net, devices)
+    flagged = torch.rand(6, 3)
+    flagged[-1, 0] = 1000.0  # the last chunk's: a later replica's alone
+    model(flagged)
+    assert model.last_call is not None and model.last_call.chunk_sizes[0] < 6
+    plain = torch.rand(6, 3)
+    for shift in (0.0, 1.0):  # the next two calls
+        x = plain + shift
+        torch.testing.assert_close(model(x), before(x))
+    # nothing of the flag's write reached the module
+    theirs = before.state_dict()
+    assert list(net.state_dict()) == list(theirs)
+    for name, mine in net.state_dict().items():
+        torch.testing.assert_close(mine, theirs[name], msg=name)
+    block = net if where == "root" else net.inner
+    assert block.__dict__["mode"] == 2.0
+    assert type(block.act) is nn.Tanh and not block.act._forward_hooks
+
+
+def test_only_the_module_whose_replica_wrote_is_refilled(
+    watch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = Outer(_set_attribute)
+    model = dp.DataParallel(net, ["cpu", "cpu"])
+    model(torch.rand(4, 3))  # (a set kept, its replicas watched)
+    fills: list[list[int] | None] = []
+    fill = Replicas._fill
+
+    def spy(self: Replicas, root: nn.Module, buffers: Any, only: Any, search: Any) -> None:
+        fills.append(None if only is None else list(only))
+        fill(self, root, buffers, only, search)
+
+    monkeypatch.setattr(Replicas, "_fill", spy)
+    flagged = torch.rand(4, 3)
+    flagged[-1, 0] = 1000.0
+    model(flagged)
+    assert fills == []  # the module was not written
+    model(torch.rand(4, 3))
+    names = [name for name, _ in net.named_modules()]
+    assert [[names[i] for i in only or ()] for only in fills] == [["inner"]]
+    model(torch.rand(4, 3))
+    assert len(fills) == 1  # nothing written since
