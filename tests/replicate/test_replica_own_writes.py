@@ -6,7 +6,8 @@ sample) can come from a later replica alone: the module is then unwritten, so no
 asks for a refill, and the replica used to keep its write into the next calls, computing its
 chunk from state no device holds. Each case below raises such a flag in replica 1's chunk only,
 then checks that the next calls compute every row from the module as it stands, as one device
-running that module does (the oracle), and that the flag's write stays off the module.
+running that module does (the oracle), that the flag's write stays off the module, and that the
+next call says so once (one device would have written the module), naming what was written.
 
 The family: what is written (a plain attribute set, one deleted back to its class's value, a
 buffer reassigned, a child replaced, a hook registered, a parameter swapped through
@@ -17,6 +18,7 @@ by write stamps and by the comparison CPython 3.10 falls back to.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +56,19 @@ def _register_hook(m: nn.Module) -> None:
 def _swap_parameter(m: nn.Module) -> None:
     m.lin._parameters["bias"] = nn.Parameter(m.lin.bias.detach() + 5.0)
 
+
+# What the warning names for each kind of write.
+SAID = {
+    "attribute": "mode = 5.0 (the module keeps 2.0)",
+    "deleted": "del mode",
+    "buffer": "a buffer",
+    "child": "a child module",
+    "hook": "a hook",
+    "parameter": "a parameter",
+}
+
+# The writes made on a child of the block: said of that child.
+WHERE = {"hook": ".act", "parameter": ".lin"}
 
 WRITES: dict[str, Callable[[nn.Module], None]] = {
     "attribute": _set_attribute,
@@ -122,9 +137,21 @@ def test_a_later_replicas_own_write_is_gone_at_the_next_call(
     model(flagged)
     assert model.last_call is not None and model.last_call.chunk_sizes[0] < 6
     plain = torch.rand(6, 3)
-    for shift in (0.0, 1.0):  # the next two calls
+    writer = len(devices) - 1
+    path = ("module" if where == "root" else "module.inner") + WHERE.get(kind, "")
+    for shift in (0.0, 1.0):  # the next two calls, the first saying what was dropped
         x = plain + shift
-        torch.testing.assert_close(model(x), before(x))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = model(x)
+        torch.testing.assert_close(out, before(x))
+        ours = [str(w.message) for w in said if "wrote its own state" in str(w.message)]
+        if shift:
+            assert ours == []
+        else:
+            assert len(ours) == 1, ours
+            assert ours[0].startswith(f"{path}: replica {writer}'s forward wrote its own state")
+            assert SAID[kind] in ours[0]
     # nothing of the flag's write reached the module
     theirs = before.state_dict()
     assert list(net.state_dict()) == list(theirs)
@@ -158,3 +185,37 @@ def test_only_the_module_whose_replica_wrote_is_refilled(
     assert [[names[i] for i in only or ()] for only in fills] == [["inner"]]
     model(torch.rand(4, 3))
     assert len(fills) == 1  # nothing written since
+
+
+class EveryChunk(nn.Module):
+    """Writes on every replica: a counter every call, a flag when its chunk holds a flagged
+    sample (replica 0's chunk too, below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+        self.flag = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x.clamp(max=1.0)) * (2.0 if self.flag else 1.0)
+        self.calls += 1
+        if bool((x[:, 0] > 100).any()):
+            self.flag = True
+        return out
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "three"])
+def test_writes_the_module_got_too_are_not_said(devices: list[str], watch: str) -> None:
+    # replica 0 (the module) made the same writes: it holds what one device holds
+    net = EveryChunk()
+    model = dp.DataParallel(net, devices)
+    flagged = torch.rand(6, 3)
+    flagged[0, 0] = flagged[-1, 0] = 1000.0  # in replica 0's chunk and the last one's
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for call, x in enumerate((flagged, torch.rand(6, 3), torch.rand(6, 3))):
+            out = model(x)
+            torch.testing.assert_close(out, net.lin(x.clamp(max=1.0)) * (2.0 if call else 1.0))
+    assert not [w for w in said if "wrote its own state" in str(w.message)]
+    assert net.calls == 3 and net.flag is True

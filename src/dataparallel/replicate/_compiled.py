@@ -37,6 +37,7 @@ __all__ = [
     "check_compile_option",
     "check_not_compiled",
     "compiled_class",
+    "eager_message",
     "warn_compiled_wrapper",
 ]
 
@@ -220,4 +221,15 @@ def warn_compiled_wrapper(wrapper: nn.Module) -> None:
         "replica; fix: let the wrapper compile each replica's forward, "
         "dp.DataParallel(model, devices, compile=True), or compile={'backend': ...} with "
         "torch.compile's keyword arguments"
+    )
+
+
+def eager_message(what: str, replicas: int) -> str:
+    """The warning for a submodule compiled in place (``what``), replicated as its eager
+    module on ``replicas`` replicas."""
+    return (
+        f"module: a compiled submodule ({what}) is replicated as its eager module: replica 0 "
+        f"(the module itself) runs it compiled, replicas 1 to {replicas - 1} run "
+        f"their own copies eagerly; to compile every replica, let the wrapper compile them: "
+        f"dp.DataParallel(model, devices, compile=True)"
     )

@@ -16,6 +16,10 @@ stamps (``_common.stamps``), one read of every table's tag, about 1 µs for the 
 two replicas; elsewhere (CPython 3.10) a comparison of every entry's identity, slower, as
 complete. What it does not see: an ``OrderedDict``'s ``move_to_end`` on a replica's hook table,
 and the replicas of a module with a replication of its own (``_custom``), re-synced apart.
+
+A write a later replica made where the module was not written (replica 0, the module itself,
+wrote nothing there) is a difference from one device, whose forward would have written the
+module: :func:`alone_message` says what was written, once per module and replica set.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from collections.abc import Iterable
 from itertools import chain
 from typing import Any
 
+from torch import nn
+
 from dataparallel._common.stamps import Stamps, stamps
+from dataparallel._common.warn import warn_user
 from dataparallel.replicate._records import Node
 
-__all__ = ["OwnWrites"]
+__all__ = ["OwnWrites", "alone_message"]
 
 # A replica's tables besides its ``__dict__``: what a write of an attribute, parameter, buffer,
 # child or hook changes (the ``*_with_kwargs``/``*_always_called`` tables change only with the
@@ -44,6 +51,19 @@ _TABLES = (
 )
 
 
+# What a message calls a write of each table (a write of the ``__dict__`` itself: attributes).
+_WRITTEN = {
+    "_parameters": "a parameter",
+    "_buffers": "a buffer",
+    "_modules": "a child module",
+    **{name: "a hook" for name in _TABLES[3:]},
+}
+# Values whose writes a message shows (a replica holds its own); names a replica's dictionary
+# holds apart from its module's (``_fill``, ``_install``, ``nn.Module``'s bookkeeping).
+_SHOWN = (int, float, bool, complex, str, bytes, type(None))
+_NOT_SHOWN = frozenset({*nn.Module().__dict__, "_is_replica", "_former_parameters", "zero_grad"})
+
+
 def _contents(table: dict[Any, Any]) -> list[Any]:
     return [len(table), *table, *table.values()]
 
@@ -52,29 +72,34 @@ class OwnWrites:
     """The tables of a replica set's filled replicas, and what their forwards wrote since the
     last :meth:`take` (by module: the source's preorder index)."""
 
-    __slots__ = ("_owners", "_saved", "_sources", "_stamps", "_tables", "_tried")
+    __slots__ = ("_owners", "_said", "_saved", "_sources", "_stamps", "_tables", "_tried", "moved")
 
     def __init__(self) -> None:
         self._tables: list[dict[Any, Any]] = []
-        self._sources: list[int] = []  # each table's module
+        # each table's module (preorder index), replica (its place in the set) and name
+        self._sources: list[tuple[int, int, str]] = []
+        # what the last ``written`` found: (module, replica, table name) of each moved table
+        self.moved: list[tuple[int, int, str]] = []
+        self._said: set[int] = set()  # the modules ``say`` warned of
         self._owners: list[object] = []
         self._stamps: Stamps | None = None
         self._tried = False  # whether stamps were made (or found unreadable) for these tables
         self._saved: list[list[Any]] = []  # without stamps: each table's contents
 
-    def watch(self, nodes: Iterable[Node]) -> None:
-        """Watch the tables of ``nodes`` (after a fill; the same objects as before, unless a
-        replica's forward replaced one, which was a write of its dictionary)."""
+    def watch(self, nodes: Iterable[tuple[int, Node]]) -> None:
+        """Watch the tables of ``nodes`` (each with its replica's place in the set; after a
+        fill: the same objects as before, unless a replica's forward replaced one, which was a
+        write of its dictionary)."""
         tables: list[dict[Any, Any]] = []
-        sources: list[int] = []
+        sources: list[tuple[int, int, str]] = []
         owners: list[object] = []
-        for node in nodes:
+        for place, node in nodes:
             d = node.module.__dict__
             owners.append(node.module)
-            for table in (d, *map(d.get, _TABLES)):
+            for name, table in (("__dict__", d), *((k, d.get(k)) for k in _TABLES)):
                 if isinstance(table, dict):
                     tables.append(table)
-                    sources.append(node.source.index)
+                    sources.append((node.source.index, place, name))
         if len(tables) == len(self._tables) and all(map(operator.is_, tables, self._tables)):
             return
         self._tables, self._sources, self._owners = tables, sources, owners
@@ -107,4 +132,51 @@ class OwnWrites:
             ]
         else:
             return []
-        return sorted({self._sources[i] for i in moved})
+        self.moved = [self._sources[i] for i in moved]
+        return sorted({module for module, _, _ in self.moved})
+
+    def say(self, modules: list[nn.Module], replicas: list[Any], wrote: list[int]) -> None:
+        """Warn, once per module, of what :meth:`written` found a later replica wrote where
+        the module (``modules``, in preorder; replica 0's writes land there) was not written
+        (``wrote``: the modules that were)."""
+        alone: dict[int, tuple[int, list[str]]] = {}
+        for i, place, table in self.moved:
+            if place >= 1 and i not in wrote and i not in self._said:
+                alone.setdefault(i, (place, []))[1].append(table)
+        if not alone:
+            return
+        names = {id(m): name for name, m in modules[0].named_modules(remove_duplicate=False)}
+        for i, (place, tables) in alone.items():
+            self._said.add(i)
+            replica = replicas[place].nodes[i].module
+            name = names.get(id(modules[i]), "")
+            warn_user(alone_message(name, modules[i], replica, place, tables))
+
+
+def alone_message(
+    name: str, module: nn.Module, replica: nn.Module, place: int, tables: list[str]
+) -> str:
+    """The warning for a write replica ``place``'s forward made on its replica of ``module``
+    (named ``name``) where the module was not written: what it wrote (its ``tables``, by
+    name, and the plain values it set or deleted), what happens to it, and how to keep it."""
+    mine, theirs = module.__dict__, replica.__dict__
+    what = [
+        f"{key} = {theirs[key]!r} (the module keeps {mine.get(key)!r})"
+        for key in theirs
+        if key not in _NOT_SHOWN
+        and isinstance(theirs[key], _SHOWN)
+        and (key not in mine or (isinstance(mine[key], _SHOWN) and mine[key] != theirs[key]))
+    ]
+    what += [f"del {key}" for key in mine if key not in theirs and key not in _NOT_SHOWN]
+    what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN})
+    return (
+        f"module{'.' + name if name else ''}: replica {place}'s forward wrote its own state "
+        f"in the last call ({', '.join(what[:6]) or 'an attribute'}), where replica 0, the "
+        f"module itself, wrote nothing there. A later replica's own write is dropped: the "
+        f"module keeps its state, and the next calls compute every chunk from it; on one "
+        f"device this forward would have written the module. To keep a write that some "
+        f"chunk makes, make it from the wrapper's output after the call, or keep the state in "
+        f"a parameter with requires_grad=False written in place (a write that a later "
+        f"replica alone makes lands on the module; see the guide, 'A forward that writes its "
+        f"parameters')"
+    )

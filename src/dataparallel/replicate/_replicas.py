@@ -4,7 +4,7 @@
 per device, tied parameters once); tell on each call what changed (``_check.Snapshot``, local
 to this tree and complete); sync the tensors each call (parameters shared or copied, private
 buffer copies: its base class, ``_sync.TensorSync``); and refill the dictionaries of the
-replicas whose source module was written (attributes, training flags, hooks). What it
+replicas whose source module was written, or that their own forward wrote (``_own``). What it
 keeps is a tree of records (``_records``: a ``Source`` per module, a ``Replica`` per device, a
 ``Node`` per replica of a module, a ``Target`` per device the parameters are used on), so no
 two lists have to stay aligned by position.
@@ -36,7 +36,7 @@ from torch import nn
 
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._check import Snapshot, fingerprint, moved_data_only, structure_key
-from dataparallel.replicate._compiled import check_not_compiled, compiled_class
+from dataparallel.replicate._compiled import check_not_compiled, compiled_class, eager_message
 from dataparallel.replicate._custom import copy_slots, sync_custom
 from dataparallel.replicate._kinds import slot_names
 from dataparallel.replicate._own import OwnWrites
@@ -174,8 +174,8 @@ class Replicas(TensorSync):
             device_key(b.device) == key0 for b in self.buffers
         )
         self.first = 1 if self.own else 0  # the first replica that is synced
-        nodes = [n for r in self.replicas[self.first :] for n in r.nodes]  # (``_fill``'s:)
-        self.filled = [n for n in nodes if n.source.through is None and not n.source.custom]
+        ps = [(j, n) for j, r in enumerate(self.replicas) for n in r.nodes if j >= self.first]
+        self.filled = [(j, n) for j, n in ps if n.source.through is None and not n.source.custom]
         self.copies = bool(self.targets or self.buffers)  # (a copy to refresh on every call)
 
         # The module's buffers as of the last sync, the fused buffer copy the next sync may
@@ -224,6 +224,8 @@ class Replicas(TensorSync):
                 self._refresh(root)
                 return self._roots(root)
             self.refilled = []  # (nothing to search again: the module was not written)
+            if not stale:  # (a wave's refill: later waves' writes are dropped, as documented)
+                self.own_writes.say(self.modules(root), self.replicas, [])
             return self._sync(root, None if stale else written, search=[])
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
@@ -239,6 +241,8 @@ class Replicas(TensorSync):
             # every dictionary where stale, else those and the replicas' own writes; the
             # written modules searched again
             only = None if stale else sorted({*self.refilled, *written})
+            if written and not stale:
+                self.own_writes.say(modules, self.replicas, self.refilled)
             replicas = self._sync(root, only, search=self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
@@ -488,12 +492,6 @@ class Replicas(TensorSync):
             self._warn_compiled(type(source).__name__)
 
     def _warn_compiled(self, what: str) -> None:
-        if self.compiled_seen:
-            return
-        self.compiled_seen = True
-        warn_user(
-            f"module: a compiled submodule ({what}) is replicated as its eager module: replica 0 "
-            f"(the module itself) runs it compiled, replicas 1 to {len(self.devices) - 1} run "
-            f"their own copies eagerly; to compile every replica, let the wrapper compile them: "
-            f"dp.DataParallel(model, devices, compile=True)"
-        )
+        if not self.compiled_seen:
+            self.compiled_seen = True
+            warn_user(eager_message(what, len(self.devices)))
