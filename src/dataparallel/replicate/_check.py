@@ -383,6 +383,10 @@ class Snapshot:
             )
         ) and (not self._tensors or _ptrs(self._tensors) == self._ptrs)
 
+    def modules(self) -> list[nn.Module | None]:
+        """The modules, in preorder (``None`` for a root no longer alive)."""
+        return [self._root(), *self._held]
+
     def changed(self) -> list[int]:
         """The preorder indices of the modules written since the snapshot."""
         return [i for i, state in enumerate(self._modules) if not state.same()]

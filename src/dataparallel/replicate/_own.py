@@ -11,7 +11,8 @@ later call from state no device holds.
 :class:`OwnWrites` watches, on each replica the set refills, the module's dictionary and the
 tables in it (parameters, buffers, children, the hook tables a snapshot watches), which the
 fills keep as the same objects from one call to the next. It is taken after each sync
-(``take``) and read at the start of the next (``written``): where the interpreter has write
+(``take``) and read right after the call (``after``, from ``check_writes``), or else at the
+start of the next sync (``written``): where the interpreter has write
 stamps (``_common.stamps``), one read of every table's tag, about 1 µs for the tutorial CNN's
 two replicas; elsewhere (CPython 3.10) a comparison of every entry's identity, slower, as
 complete. What it does not see: an ``OrderedDict``'s ``move_to_end`` on a replica's hook table,
@@ -19,7 +20,7 @@ and the replicas of a module with a replication of its own (``_custom``), re-syn
 
 A write a later replica made where the module was not written (replica 0, the module itself,
 wrote nothing there) is a difference from one device, whose forward would have written the
-module: :func:`alone_message` says what was written, once per module and replica set.
+module: the call that wrote says so (:func:`alone_message`), once per module and replica set.
 """
 
 from __future__ import annotations
@@ -72,7 +73,17 @@ class OwnWrites:
     """The tables of a replica set's filled replicas, and what their forwards wrote since the
     last :meth:`take` (by module: the source's preorder index)."""
 
-    __slots__ = ("_owners", "_said", "_saved", "_sources", "_stamps", "_tables", "_tried", "moved")
+    __slots__ = (
+        "_found",
+        "_owners",
+        "_said",
+        "_saved",
+        "_sources",
+        "_stamps",
+        "_tables",
+        "_tried",
+        "moved",
+    )
 
     def __init__(self) -> None:
         self._tables: list[dict[Any, Any]] = []
@@ -81,6 +92,7 @@ class OwnWrites:
         # what the last ``written`` found: (module, replica, table name) of each moved table
         self.moved: list[tuple[int, int, str]] = []
         self._said: set[int] = set()  # the modules ``say`` warned of
+        self._found: list[int] | None = None  # what ``after`` read, for the next ``written``
         self._owners: list[object] = []
         self._stamps: Stamps | None = None
         self._tried = False  # whether stamps were made (or found unreadable) for these tables
@@ -107,6 +119,7 @@ class OwnWrites:
 
     def take(self) -> None:
         """Keep the tables as they are now (after a sync wrote them)."""
+        self._found = None
         if not self._tried:  # (made at the first take: a set used for one call never pays)
             self._tried = True
             self._stamps = stamps(self._tables, owners=self._owners)
@@ -115,9 +128,24 @@ class OwnWrites:
         else:
             self._saved = list(map(_contents, self._tables))
 
+    def after(self, snapshot: Any, replicas: list[Any], ran: bool) -> None:
+        """Right after a call (``Replicas.after_call``): read :meth:`written` (the next one
+        answers with it instead of reading again), and where replica 0 ran too (``ran``: not
+        a later wave alone), :meth:`say` what a later replica wrote where replica 0 wrote
+        nothing, as the module's ``snapshot`` tells (taken at the sync: what changed since is
+        this call's)."""
+        self._found = found = self._read()
+        if found and ran and snapshot is not None:
+            wrote = [] if snapshot.same() else snapshot.changed()
+            self.say(snapshot.modules(), replicas, wrote)
+
     def written(self) -> list[int]:
         """The modules (preorder indices) one of whose replicas' tables was written since
         :meth:`take`, in order; ``[]`` when none was (or nothing is watched yet)."""
+        found, self._found = self._found, None
+        return self._read() if found is None else found
+
+    def _read(self) -> list[int]:
         marks = self._stamps
         if marks is not None:
             if marks.same():
@@ -135,7 +163,7 @@ class OwnWrites:
         self.moved = [self._sources[i] for i in moved]
         return sorted({module for module, _, _ in self.moved})
 
-    def say(self, modules: list[nn.Module], replicas: list[Any], wrote: list[int]) -> None:
+    def say(self, modules: list[Any], replicas: list[Any], wrote: list[int]) -> None:
         """Warn, once per module, of what :meth:`written` found a later replica wrote where
         the module (``modules``, in preorder; replica 0's writes land there) was not written
         (``wrote``: the modules that were)."""
@@ -143,7 +171,7 @@ class OwnWrites:
         for i, place, table in self.moved:
             if place >= 1 and i not in wrote and i not in self._said:
                 alone.setdefault(i, (place, []))[1].append(table)
-        if not alone:
+        if not alone or modules[0] is None:
             return
         names = {id(m): name for name, m in modules[0].named_modules(remove_duplicate=False)}
         for i, (place, tables) in alone.items():

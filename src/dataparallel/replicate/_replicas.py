@@ -28,6 +28,7 @@ once per replica set. Nothing here writes the user's modules.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -186,6 +187,7 @@ class Replicas(TensorSync):
         self.stale = False  # every replica's dictionary to be refilled at the next sync
         # What the replicas' own forwards wrote on themselves: refilled at the next sync.
         self.own_writes = OwnWrites()
+        self.myself = weakref.ref(self)  # (``check_writes`` calls ``after_call`` through it)
         # ``kept``'s answer, and the snapshot it holds with (``None``: none held, a new sync)
         self.answer: Kept | None = None
         self.warm: Snapshot | None = None
@@ -224,8 +226,6 @@ class Replicas(TensorSync):
                 self._refresh(root)
                 return self._roots(root)
             self.refilled = []  # (nothing to search again: the module was not written)
-            if not stale:  # (a wave's refill: later waves' writes are dropped, as documented)
-                self.own_writes.say(self.modules(root), self.replicas, [])
             return self._sync(root, None if stale else written, search=[])
         check_not_compiled(root, self.devices)  # root.compile() since the last call
         if not self.unchanged(root):
@@ -241,8 +241,6 @@ class Replicas(TensorSync):
             # every dictionary where stale, else those and the replicas' own writes; the
             # written modules searched again
             only = None if stale else sorted({*self.refilled, *written})
-            if written and not stale:
-                self.own_writes.say(modules, self.replicas, self.refilled)
             replicas = self._sync(root, only, search=self.refilled)
             snapshot.retake(modules, self.refilled)
         return replicas
@@ -270,12 +268,15 @@ class Replicas(TensorSync):
         self.warm = self.snapshot
         return self.answer
 
+    def after_call(self, ran: bool) -> None:
+        """Right after the replicas ran (``check_writes``; ``ran``: replica 0 among them, not
+        a later wave alone): ``OwnWrites.after``."""
+        self.own_writes.after(self.snapshot, self.replicas, ran)
+
     def refill(self) -> None:
-        """Have the next sync refill every replica's dictionary from its module: their
-        forwards wrote their own attributes (``self.calls += 1`` on a copy whose writes are
-        dropped, a later wave's under ``max_size``), which no snapshot of the module sees. The
-        module's own state is as the last sync found it or not, as the snapshot says; what
-        the search found in it stands unless it was written."""
+        """Have the next sync refill every replica's dictionary from its module (a later
+        wave's under ``max_size``, whose copies' writes are dropped). The module's own state
+        is as the snapshot says; what the search found in it stands unless it was written."""
         self.stale = True
         self.warm = None
 
@@ -465,6 +466,7 @@ class Replicas(TensorSync):
         reason = rebinding.reason(modules, len(self.devices))
         self.writes.holders = rebinding
         self.writes.head = None if self.own else id(self.replicas[0].nodes[0].module)
+        self.writes.own = self.myself
         hooks = [
             tuple(map(id, table.values()))
             for m in modules

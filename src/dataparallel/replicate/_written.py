@@ -76,6 +76,7 @@ class ForwardWrites:
         "head",
         "holders",
         "landed",
+        "own",
         "params",
         "shared",
         "slots",
@@ -110,6 +111,9 @@ class ForwardWrites:
         # itself (which holds no ``WRITES``). A call that ran without it (a later wave under
         # ``max_size``) lands no write: its copies' writes are dropped.
         self.head: int | None = None
+        # A weak reference to the replica set, told right after each call what its replicas
+        # wrote on themselves (``Replicas.after_call``; ``None``: none to tell).
+        self.own: Callable[[], Any] | None = None
 
     def arm(self) -> bool:
         """For replicas that share the parameters themselves (no copy on any device): guard
@@ -349,13 +353,16 @@ def check_writes(replicas: Sequence[Any]) -> None:
                     now = _marks(guard)
                 if now != writes.before:
                     writes.refuse(replicas[0], now)
+            first = replicas[0]
+            if writes.head is None:
+                ran = getattr(first, "__dict__", _NO_MARKS).get(WRITES) is not writes
+            else:
+                ran = id(first) == writes.head
             if writes.frozen[0]:
-                first = replicas[0]
-                if writes.head is None:
-                    ran = getattr(first, "__dict__", _NO_MARKS).get(WRITES) is not writes
-                else:
-                    ran = id(first) == writes.head
                 writes.land(first, dropped=not ran)
+            owner = None if writes.own is None else writes.own()
+            if owner is not None:
+                owner.after_call(ran)
             holders = writes.holders
             if holders is not None and holders.watched:
                 holders.said_written(replicas[0], len(replicas))
