@@ -130,13 +130,20 @@ def _stamp_holds(kinds: list[str], ops: list[tuple[int, tuple[str, str, int]]]) 
     stamp.take()
     assert stamp.same()
     before = [_contents(d) for d in dicts]
+    touched: set[int] = set()
     for index, op in ops:
         i = index % len(dicts)
         _apply(targets[i], dicts[i], op)
-    if [_contents(d) for d in dicts] != before:
+        if op[0] != "none":
+            touched.add(i)
+    changed = {i for i, d in enumerate(dicts) if _contents(d) != before[i]}
+    if changed:
         assert not stamp.same()
     if not ops or all(op[0] == "none" for _, op in ops):
         assert stamp.same()
+    # which ones moved: every one whose contents changed, none that no write reached
+    moved = stamp.moved()
+    assert moved == sorted(moved) and changed <= set(moved) <= touched
 
 
 def test_without_tags_no_stamps_are_made(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -115,6 +115,13 @@ class ForwardWrites:
         # wrote on themselves (``Replicas.after_call``; ``None``: none to tell).
         self.own: Callable[[], Any] | None = None
 
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        """Pickled or copied (``torch.save(replica)``) without the weak reference to the set,
+        which cannot be."""
+        state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
+        state["own"] = None
+        return None, state
+
     def arm(self) -> bool:
         """For replicas that share the parameters themselves (no copy on any device): guard
         the trainable shared ones for this call; whether some shared one needs clones (or the
