@@ -34,6 +34,7 @@ from torch import nn
 
 from dataparallel._common.stamps import Stamps, stamps
 from dataparallel._common.warn import warn_user
+from dataparallel.replicate._rebind import HOOKS_SEEN, SERIAL
 from dataparallel.replicate._records import Node
 
 __all__ = ["OwnWrites", "alone_message"]
@@ -62,7 +63,9 @@ _WRITTEN = {
 # Values whose writes a message shows (a replica holds its own); names a replica's dictionary
 # holds apart from its module's (``_fill``, ``_install``, ``nn.Module``'s bookkeeping).
 _SHOWN = (int, float, bool, complex, str, bytes, type(None))
-_NOT_SHOWN = frozenset({*nn.Module().__dict__, "_is_replica", "_former_parameters", "zero_grad"})
+_NOT_SHOWN = frozenset(
+    {*nn.Module().__dict__, "_is_replica", "_former_parameters", "zero_grad", SERIAL, HOOKS_SEEN}
+)
 
 
 def _contents(table: dict[Any, Any]) -> list[Any]:
@@ -199,7 +202,7 @@ def alone_message(
     what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN})
     return (
         f"module{'.' + name if name else ''}: replica {place}'s forward wrote its own state "
-        f"in the last call ({', '.join(what[:6]) or 'an attribute'}), where replica 0, the "
+        f"in this call ({', '.join(what[:6]) or 'an attribute'}), where replica 0, the "
         f"module itself, wrote nothing there. A later replica's own write is dropped: the "
         f"module keeps its state, and the next calls compute every chunk from it; on one "
         f"device this forward would have written the module. To keep a write that some "
