@@ -32,6 +32,7 @@ from typing import Any
 
 from torch import nn
 
+from dataparallel._common.kinds import ATOMS
 from dataparallel._common.stamps import Stamps, stamps
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._rebind import HOOKS_SEEN, SERIAL
@@ -60,9 +61,8 @@ _WRITTEN = {
     "_modules": "a child module",
     **{name: "a hook" for name in _TABLES[3:]},
 }
-# Values whose writes a message shows (a replica holds its own); names a replica's dictionary
-# holds apart from its module's (``_fill``, ``_install``, ``nn.Module``'s bookkeeping).
-_SHOWN = (int, float, bool, complex, str, bytes, type(None))
+# Names a replica's dictionary holds apart from its module's (``_fill``, ``_install``,
+# ``nn.Module``'s bookkeeping); a message shows the values that are atoms (``ATOMS``).
 _NOT_SHOWN = frozenset(
     {*nn.Module().__dict__, "_is_replica", "_former_parameters", "zero_grad", SERIAL, HOOKS_SEEN}
 )
@@ -195,8 +195,8 @@ def alone_message(
         f"{key} = {theirs[key]!r} (the module keeps {mine.get(key)!r})"
         for key in theirs
         if key not in _NOT_SHOWN
-        and isinstance(theirs[key], _SHOWN)
-        and (key not in mine or (isinstance(mine[key], _SHOWN) and mine[key] != theirs[key]))
+        and type(theirs[key]) in ATOMS
+        and (key not in mine or (type(mine[key]) in ATOMS and mine[key] != theirs[key]))
     ]
     what += [f"del {key}" for key in mine if key not in theirs and key not in _NOT_SHOWN]
     what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN})

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dataparallel._common.kinds import ATOMS
 from dataparallel.parallel_apply import infer_device
 
 __all__: list[str] = []
@@ -109,10 +110,10 @@ def check_on_device(module: nn.Module, device: torch.device) -> None:
             )
 
 
-# Plain attribute values a forward's write is copied back for: immutable values, which a
-# replica holds as its own (a mutable object such as a list is shared with the module anyway;
-# tensors, modules and functions a replica holds are its own copies or rebound, not writes).
-_VALUES = frozenset({int, float, bool, complex, str, bytes, type(None)})
+# Plain attribute values a forward's write is copied back for: immutable values (``ATOMS``),
+# which a replica holds as its own (a mutable object such as a list is shared with the module
+# anyway; tensors, modules and functions a replica holds are its own copies or rebound).
+_VALUES = ATOMS
 # nn.Module's own bookkeeping (training flag, tables, hook flags): never written back.
 _MODULE_NAMES = frozenset(nn.Module().__dict__)
 
