@@ -149,6 +149,21 @@ def _timed_out(where: str, rank: int, world_size: int, seconds: float, cause: st
     )
 
 
+#: How long past its own limit torch's client is given before the probe looks for itself.
+_PROBE_SLACK_S = 5.0
+
+
+def _accepts(addr: str, port: int) -> bool:
+    """Whether a program accepts connections at ``addr:port`` now: observed with one connect,
+    so that a probe still waiting is told apart as "nobody there" or "a program that does not
+    answer", not guessed from how long it waited."""
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:  # refused, unreachable or no answer within the second
+        return False
+
+
 def _probe_store(addr: str, port: int, rank: int, world_size: int, seconds: float) -> None:
     """Connect to the job's store as a client before torch does, and bound the wait.
 
@@ -174,8 +189,12 @@ def _probe_store(addr: str, port: int, rank: int, world_size: int, seconds: floa
 
     thread = threading.Thread(target=connect, name="store-probe", daemon=True)
     thread.start()
-    thread.join(seconds + 5.0)  # torch's own connect timeout first, then ours
+    thread.join(seconds + _PROBE_SLACK_S)  # torch's own connect timeout first, then ours
     where = f"{addr}:{port}"
+    if thread.is_alive() and not _accepts(addr, port):
+        # torch's client overran its own limit (its retries back off past it: 3.5 to 5.6 s for
+        # 2 s, measured), and nothing listens there: a wait for ranks that never came
+        raise _timed_out(where, rank, world_size, seconds, "nothing listens there")
     if thread.is_alive():
         raise TimeoutError(
             f"init_distributed: rank {rank} of {world_size} reached MASTER_ADDR:MASTER_PORT="
