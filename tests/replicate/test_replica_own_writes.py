@@ -57,6 +57,10 @@ def _swap_parameter(m: nn.Module) -> None:
     m.lin._parameters["bias"] = nn.Parameter(m.lin.bias.detach() + 5.0)
 
 
+def _set_tensor(m: nn.Module) -> None:
+    m.scale = torch.full((3,), 5.0)  # a plain tensor attribute: not a buffer
+
+
 # What the warning names for each kind of write.
 SAID = {
     "attribute": "mode = 5.0 (the module keeps 2.0)",
@@ -65,6 +69,7 @@ SAID = {
     "child": "a child module",
     "hook": "a hook",
     "parameter": "a parameter",
+    "tensor": "scale (a Tensor)",
 }
 
 # The writes made on a child of the block: said of that child.
@@ -77,6 +82,7 @@ WRITES: dict[str, Callable[[nn.Module], None]] = {
     "child": _replace_child,
     "hook": _register_hook,
     "parameter": _swap_parameter,
+    "tensor": _set_tensor,
 }
 
 
@@ -86,16 +92,21 @@ class Block(nn.Module):
 
     mode = 1.0  # (the class's value, under the instance's)
 
-    def __init__(self, write: Callable[[nn.Module], None]) -> None:
+    def __init__(self, write: Callable[[nn.Module], None], count: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.act = nn.Tanh()
         self.mode = 2.0
+        self.scale = torch.ones(3)
         self.register_buffer("offset", torch.zeros(3))
         self.write = write
+        self.count = count  # whether every chunk steps a counter: every replica writes
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.act(self.lin(x.clamp(max=1.0))) * self.mode + self.offset
+        out = self.act(self.lin(x.clamp(max=1.0))) * self.mode * self.scale + self.offset
+        if self.count:
+            self.calls += 1
         if bool((x[:, 0] > 100).any()):
             self.write(self)
         return out
@@ -104,9 +115,9 @@ class Block(nn.Module):
 class Outer(nn.Module):
     """The same block one level down: the write lands on a child's replica."""
 
-    def __init__(self, write: Callable[[nn.Module], None]) -> None:
+    def __init__(self, write: Callable[[nn.Module], None], count: bool = False) -> None:
         super().__init__()
-        self.inner = Block(write)
+        self.inner = Block(write, count)
         self.head = nn.Linear(3, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,14 +133,17 @@ def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     return str(request.param)
 
 
+@pytest.mark.parametrize("count", [False, True], ids=["alone", "counted"])
 @pytest.mark.parametrize("where", ["root", "child"])
 @pytest.mark.parametrize("kind", list(WRITES))
 @pytest.mark.parametrize("devices", DEVICE_LISTS, ids=["shared", "copied", "three"])
 def test_a_later_replicas_own_write_is_gone_at_the_next_call(
-    devices: list[str], kind: str, where: str, watch: str
+    devices: list[str], kind: str, where: str, count: bool, watch: str
 ) -> None:
+    """``counted``: every replica steps a counter on the same module too, so the module was
+    written in the flagged call (by replica 0), though not where the later replica wrote."""
     torch.manual_seed(0)
-    net: nn.Module = Block(WRITES[kind]) if where == "root" else Outer(WRITES[kind])
+    net: nn.Module = Block(WRITES[kind], count) if where == "root" else Outer(WRITES[kind], count)
     before = copy.deepcopy(net)
     model = dp.DataParallel(net, devices)
     flagged = torch.rand(6, 3)
@@ -150,13 +164,15 @@ def test_a_later_replicas_own_write_is_gone_at_the_next_call(
             writer = len(devices) - 1
             assert ours[0].startswith(f"{path}: replica {writer}'s forward wrote its own state")
             assert SAID[kind] in ours[0]
+            assert "calls =" not in ours[0]  # (every replica wrote it: the module did too)
     # nothing of the flag's write reached the module
     theirs = before.state_dict()
     assert list(net.state_dict()) == list(theirs)
     for name, mine in net.state_dict().items():
         torch.testing.assert_close(mine, theirs[name], msg=name)
     block = net if where == "root" else net.inner
-    assert block.__dict__["mode"] == 2.0
+    assert block.__dict__["mode"] == 2.0 and torch.equal(block.scale, torch.ones(3))
+    assert block.calls == (3 if count else 0)
     assert type(block.act) is nn.Tanh and not block.act._forward_hooks
 
 
@@ -217,3 +233,78 @@ def test_writes_the_module_got_too_are_not_said(devices: list[str], watch: str) 
             torch.testing.assert_close(out, net.lin(x.clamp(max=1.0)) * (2.0 if call else 1.0))
     assert not [w for w in said if "wrote its own state" in str(w.message)]
     assert net.calls == 3 and net.flag is True
+
+
+class PutBack(nn.Module):
+    """Swaps its layer's weight for the call and puts it back: through
+    ``torch.func.functional_call`` (MAML's inner step), or by deleting it, setting a scaled
+    one, and setting the same tensor again (on a replica whose weight is a copy, that tensor is
+    not a Parameter: it comes back as a plain attribute)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "functional_call":
+            scaled = {"weight": self.lin.weight * 0.5}
+            return torch.func.functional_call(self.lin, scaled, (x,))  # type: ignore[no-any-return]
+        weight = self.lin.weight
+        del self.lin.weight
+        self.lin.weight = weight * 0.5
+        out = self.lin(x)
+        del self.lin.weight
+        self.lin.weight = weight
+        return out
+
+
+class Counts(nn.Module):
+    """Writes plain attributes on every replica (a counter, the chunk it saw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.calls = 0
+        self.last = "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = f"chunk of {x.shape[0]}"
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    ("make", "devices", "chunk_sizes"),
+    [
+        *((lambda: PutBack("functional_call"), d, None) for d in DEVICE_LISTS),
+        *((lambda: PutBack("set again"), d, None) for d in DEVICE_LISTS),
+        # replica 0 is a copy whose writes the wrapper copies back (issue 42)
+        (Counts, ["cpu", "cpu:1", "cpu:1"], [0, 4, 3]),
+        (Counts, ["cpu:1", "cpu:1"], None),
+    ],
+    ids=[
+        *(f"functional_call-{i}" for i in ("shared", "copied", "three")),
+        *(f"set again-{i}" for i in ("shared", "copied", "three")),
+        "replica 0 skipped",
+        "replica 0 a copy",
+    ],
+)
+def test_writes_put_back_or_copied_back_are_not_said(
+    make: Callable[[], nn.Module], devices: list[str], chunk_sizes: list[int] | None, watch: str
+) -> None:
+    """Not a write of the state the next calls read: a table written and put back in the same
+    call, or a write of the replica whose writes land on the module. (Each was said on 6d4a14e,
+    as "an attribute".)"""
+    torch.manual_seed(0)
+    net = make()
+    oracle = copy.deepcopy(net)
+    model = dp.DataParallel(net, devices, chunk_sizes=chunk_sizes)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.rand(7, 3)
+            torch.testing.assert_close(model(x), oracle(x))
+    assert not [str(w.message) for w in said if "wrote its own state" in str(w.message)]
+    if isinstance(net, Counts):
+        assert net.calls == 3 and net.last == "chunk of 4"

@@ -155,6 +155,7 @@ def moved_data_only(old: list[Any], new: list[Any], placed: dict[int, Any]) -> b
 # change together with the forward hook tables.
 _STRUCTURE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_KEYED = frozenset({"__dict__", *_STRUCTURE})  # the tables whose names a snapshot keeps
 # (``const_data_ptr``: ``data_ptr`` would make a copy-on-write tensor copy its data)
 _DATA_PTR: Callable[[torch.Tensor], int] = torch.Tensor.const_data_ptr  # type: ignore[attr-defined]
 _IS = operator.is_
@@ -193,6 +194,7 @@ class _ModuleState:
         "loose",
         "loose_vals",
         "named",
+        "names",
         "ptrs",
         "ref",
         "tensors",
@@ -210,6 +212,11 @@ class _ModuleState:
         named = [t for t in tables if isinstance(t, dict)]
         self.named: list[dict[Any, Any]] = named
         hooks = [t for t in (d.get(k) for k in _HOOKS) if isinstance(t, dict)]
+        # each counted table's name (``written_tables``)
+        self.names = [
+            "__dict__",
+            *(k for k in (*_STRUCTURE, *_HOOKS) if isinstance(d.get(k), dict)),
+        ]
         # The hooks themselves too, where there are some (one removed and another registered
         # keeps the count); a table empty now changes its count with its first hook.
         self.valued: list[dict[Any, Any]] = [d, *named, *(t for t in hooks if t)]
@@ -249,6 +256,33 @@ class _ModuleState:
             and all(map(operator.is_, chain.from_iterable(self.loose), self.loose_vals))
             and _ptrs(self.tensors) == self.ptrs
         )
+
+    def before(self) -> dict[str, Any]:
+        """The module's own dictionary as the snapshot saw it."""
+        n = self.lens[0]
+        return dict(zip(self.keys[:n], self.vals[:n], strict=True))
+
+    def written_tables(self) -> set[str]:
+        """The names of the module's tables (``"__dict__"`` and those in it) written since
+        the snapshot: each compared with the names and values it held then."""
+        module = self.ref()
+        d = getattr(module, "__dict__", {})
+        written = set()
+        at_key = at_value = 0
+        for name, table, n in zip(self.names, self.counted, self.lens, strict=True):
+            keys = self.keys[at_key : at_key + n] if name in _KEYED else None
+            values = self.vals[at_value : at_value + n]  # (a hook table empty then: none)
+            at_key += n if keys is not None else 0
+            at_value += n
+            now = d if name == "__dict__" else d.get(name)
+            if (
+                now is not table
+                or len(now) != n
+                or not all(map(operator.is_, _VALUES(now), values))
+                or (keys is not None and not all(map(operator.is_, now, keys)))
+            ):
+                written.add(name)
+        return written
 
 
 class Snapshot:
@@ -390,6 +424,10 @@ class Snapshot:
     def changed(self) -> list[int]:
         """The preorder indices of the modules written since the snapshot."""
         return [i for i, state in enumerate(self._modules) if not state.same()]
+
+    def state(self, index: int) -> _ModuleState:
+        """What the snapshot saw of the module at preorder ``index``."""
+        return self._modules[index]
 
     def retake(self, modules: list[nn.Module], indices: list[int]) -> None:
         """Take the modules at ``indices`` again (after their replicas were refilled). The

@@ -36,9 +36,10 @@ from dataparallel._common.kinds import ATOMS
 from dataparallel._common.stamps import Stamps, stamps
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._rebind import HOOKS_SEEN, SERIAL
-from dataparallel.replicate._records import Node
+from dataparallel.replicate._records import Node, buffer_table
+from dataparallel.replicate._written import WRITES
 
-__all__ = ["OwnWrites", "alone_message"]
+__all__ = ["OwnWrites", "alone_message", "alone_writes"]
 
 # A replica's tables besides its ``__dict__``: what a write of an attribute, parameter, buffer,
 # child or hook changes (the ``*_with_kwargs``/``*_always_called`` tables change only with the
@@ -64,7 +65,15 @@ _WRITTEN = {
 # Names a replica's dictionary holds apart from its module's (``_fill``, ``_install``,
 # ``nn.Module``'s bookkeeping); a message shows the values that are atoms (``ATOMS``).
 _NOT_SHOWN = frozenset(
-    {*nn.Module().__dict__, "_is_replica", "_former_parameters", "zero_grad", SERIAL, HOOKS_SEEN}
+    {
+        *nn.Module().__dict__,
+        "_is_replica",
+        "_former_parameters",
+        "zero_grad",
+        SERIAL,
+        HOOKS_SEEN,
+        WRITES,
+    }
 )
 
 
@@ -131,16 +140,19 @@ class OwnWrites:
         else:
             self._saved = list(map(_contents, self._tables))
 
-    def after(self, snapshot: Any, replicas: list[Any], ran: bool) -> None:
+    def after(
+        self, snapshot: Any, replicas: list[Any], ran: bool, rebound: dict[int, Any], own: bool
+    ) -> None:
         """Right after a call (``Replicas.after_call``): read :meth:`written` (the next one
         answers with it instead of reading again), and where replica 0 ran too (``ran``: not
-        a later wave alone), :meth:`say` what a later replica wrote where replica 0 wrote
-        nothing, as the module's ``snapshot`` tells (taken at the sync: what changed since is
-        this call's)."""
+        a later wave alone), :meth:`say` what a later replica wrote where replica 0 did not,
+        as the module's ``snapshot`` (taken at the sync: what changed since is this call's)
+        or, where replica 0 is a copy (not ``own``; the wrapper copies its writes back), that
+        copy tells. ``rebound``: the names the rebinding search gave each replica its own
+        value of, by module."""
         self._found = found = self._read()
         if found and ran and snapshot is not None:
-            wrote = [] if snapshot.same() else snapshot.changed()
-            self.say(snapshot.modules(), replicas, wrote)
+            self.say(snapshot, replicas, rebound, own)
 
     def written(self) -> list[int]:
         """The modules (preorder indices) one of whose replicas' tables was written since
@@ -166,48 +178,124 @@ class OwnWrites:
         self.moved = [self._sources[i] for i in moved]
         return sorted({module for module, _, _ in self.moved})
 
-    def say(self, modules: list[Any], replicas: list[Any], wrote: list[int]) -> None:
+    def say(self, snapshot: Any, replicas: list[Any], rebound: dict[int, Any], own: bool) -> None:
         """Warn, once per module, of what :meth:`written` found a later replica wrote where
-        the module (``modules``, in preorder; replica 0's writes land there) was not written
-        (``wrote``: the modules that were)."""
-        alone: dict[int, tuple[int, list[str]]] = {}
+        replica 0 (the module, or where not ``own`` its copy) did not write: an attribute, or
+        a table, as ``snapshot`` (taken at the sync) tells; see :meth:`after`."""
+        moved: dict[tuple[int, int], list[str]] = {}  # by module and replica: its tables
         for i, place, table in self.moved:
-            if place >= 1 and i not in wrote and i not in self._said:
-                alone.setdefault(i, (place, []))[1].append(table)
-        if not alone or modules[0] is None:
+            if (place >= 1 and i not in self._said) or not own:
+                moved.setdefault((i, place), []).append(table)
+        modules = snapshot.modules()
+        if modules[0] is None:
             return
-        names = {id(m): name for name, m in modules[0].named_modules(remove_duplicate=False)}
-        for i, (place, tables) in alone.items():
-            self._said.add(i)
-            replica = replicas[place].nodes[i].module
-            name = names.get(id(modules[i]), "")
-            warn_user(alone_message(name, modules[i], replica, place, tables))
+        names: dict[int, str] | None = None
+        for (i, place), tables in moved.items():
+            if place == 0 or i in self._said:  # (said of an earlier replica in this call)
+                continue
+            state = snapshot.state(i)
+            skip = _NOT_SHOWN.union(rebound.get(i, ()), state.before().get("_parameters") or ())
+            keeps = state.ref().__dict__
+            if own:
+                first, first_tables = keeps, state.written_tables()
+            else:
+                first = replicas[0].nodes[i].module.__dict__
+                first_tables = _changed(moved.get((i, 0), []), replicas[0], i, keeps)
+            mine = _keys_written(state.before(), first, skip)
+            theirs = replicas[place].nodes[i].module.__dict__
+            tables = sorted(_changed(tables, replicas[place], i, keeps))
+            what = alone_writes(
+                state, _keys_written(state.before(), theirs, skip), mine, tables, first_tables
+            )
+            if what:
+                self._said.add(i)
+                if names is None:
+                    names = {id(m): n for n, m in modules[0].named_modules(remove_duplicate=False)}
+                warn_user(alone_message(names.get(id(modules[i]), ""), place, what))
 
 
-def alone_message(
-    name: str, module: nn.Module, replica: nn.Module, place: int, tables: list[str]
-) -> str:
-    """The warning for a write replica ``place``'s forward made on its replica of ``module``
-    (named ``name``) where the module was not written: what it wrote (its ``tables``, by
-    name, and the plain values it set or deleted), what happens to it, and how to keep it."""
-    mine, theirs = module.__dict__, replica.__dict__
-    what = [
-        f"{key} = {theirs[key]!r} (the module keeps {mine.get(key)!r})"
-        for key in theirs
-        if key not in _NOT_SHOWN
-        and type(theirs[key]) in ATOMS
-        and (key not in mine or (type(mine[key]) in ATOMS and mine[key] != theirs[key]))
-    ]
-    what += [f"del {key}" for key in mine if key not in theirs and key not in _NOT_SHOWN]
-    what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN})
+_GONE = object()  # (``_keys_written``'s value of a name deleted)
+
+
+def _changed(tables: list[str], replica: Any, index: int, module: dict[str, Any]) -> set[str]:
+    """Of a replica's ``tables`` that moved (of the module at preorder ``index``), those that
+    hold other entries than the fill gave them: children, parameters and buffers as the set
+    installed them, hooks as the module's (``module``: its dictionary). A table written and
+    put back (``torch.func.functional_call``, a weight deleted and set again, even as a plain
+    attribute holding the same tensor) is unchanged."""
+    node = replica.nodes[index]
+    s, d = node.source, node.module.__dict__
+    installed: dict[str, Any] = {"_modules": node.children}
+    if replica.params_in is not None:
+        params = dict.fromkeys(s.none_params)
+        params.update(
+            zip(s.param_names, map(replica.params_in.__getitem__, s.param_slots), strict=True)
+        )
+        installed["_parameters"] = params
+    if replica.buffers_in is not None:
+        installed["_buffers"] = buffer_table(s, replica.buffers_in)
+    changed = set()
+    for name in tables:
+        table, expected = d.get(name), installed.get(name, module.get(name))
+        if (
+            name == "__dict__"
+            or s.custom
+            or not isinstance(table, dict)
+            or not isinstance(expected, dict)
+            or any(k not in expected for k in table)
+            or any(table.get(k, d.get(k, _GONE)) is not v for k, v in expected.items())
+        ):
+            changed.add(name)
+    return changed
+
+
+def _keys_written(before: dict[str, Any], now: dict[str, Any], skip: Any) -> dict[str, Any]:
+    """The names of a module's dictionary (``now``) set or deleted since ``before``, each with
+    its value now (``_GONE``: deleted), less those in ``skip``."""
+    written = {k: v for k, v in now.items() if k not in skip and before.get(k, _GONE) is not v}
+    written.update((k, _GONE) for k in before if k not in now and k not in skip)
+    return written
+
+
+def alone_writes(
+    state: Any,
+    theirs: dict[str, Any],
+    mine: dict[str, Any],
+    tables: list[str],
+    first_tables: set[str],
+) -> list[str]:
+    """What a later replica wrote on itself (``theirs``: the attributes it set or deleted,
+    ``tables``: its tables that moved) where replica 0 (``mine``, ``first_tables``: the same
+    of the module, or of its copy) did not, shown as a message does: a plain value with the
+    module's (``state``: the module's part of the snapshot), another by its type, a table by
+    its kind. ``[]`` where replica 0 made every such write too (a counter every replica
+    steps): then the module holds what one device would."""
+    keeps = state.ref().__dict__
+    what = []
+    for key, value in theirs.items():
+        if key in mine:
+            continue  # replica 0 wrote it too
+        if value is _GONE:
+            what.append(f"del {key}")
+        elif type(value) in ATOMS:
+            what.append(f"{key} = {value!r} (the module keeps {keeps.get(key)!r})")
+        else:
+            what.append(f"{key} (a {type(value).__name__})")
+    what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN and t not in first_tables})
+    return what
+
+
+def alone_message(name: str, place: int, what: list[str]) -> str:
+    """The warning for what replica ``place``'s forward wrote on its replica of the module
+    named ``name`` where the module was not written (``what``: :func:`alone_writes`), what
+    happens to it, and how to keep it."""
     return (
         f"module{'.' + name if name else ''}: replica {place}'s forward wrote its own state "
-        f"in this call ({', '.join(what[:6]) or 'an attribute'}), where replica 0, the "
-        f"module itself, wrote nothing there. A later replica's own write is dropped: the "
-        f"module keeps its state, and the next calls compute every chunk from it; on one "
-        f"device this forward would have written the module. To keep a write that some "
-        f"chunk makes, make it from the wrapper's output after the call, or keep the state in "
-        f"a parameter with requires_grad=False written in place (a write that a later "
-        f"replica alone makes lands on the module; see the guide, 'A forward that writes its "
-        f"parameters')"
+        f"in this call ({', '.join(what[:6])}), where replica 0, the module itself, did not "
+        f"write that. A later replica's own write is dropped: the module keeps its state, and "
+        f"the next calls compute every chunk from it; on one device this forward would have "
+        f"written the module. To keep a write that some chunk makes, make it from the "
+        f"wrapper's output after the call, or keep the state in a parameter with "
+        f"requires_grad=False written in place (a write that a later replica alone makes "
+        f"lands on the module; see the guide, 'A forward that writes its parameters')"
     )

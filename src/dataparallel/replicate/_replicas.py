@@ -271,7 +271,7 @@ class Replicas(TensorSync):
     def after_call(self, ran: bool) -> None:
         """Right after the replicas ran (``check_writes``; ``ran``: replica 0 among them, not
         a later wave alone): ``OwnWrites.after``."""
-        self.own_writes.after(self.snapshot, self.replicas, ran)
+        self.own_writes.after(self.snapshot, self.replicas, ran, self.rebinding.keys, self.own)
 
     def refill(self) -> None:
         """Have the next sync refill every replica's dictionary from its module (a later
