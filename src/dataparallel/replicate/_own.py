@@ -194,19 +194,23 @@ class OwnWrites:
             if place == 0 or i in self._said:  # (said of an earlier replica in this call)
                 continue
             state = snapshot.state(i)
-            skip = _NOT_SHOWN.union(rebound.get(i, ()), state.before().get("_parameters") or ())
-            keeps = state.ref().__dict__
-            if own:
-                first, first_tables = keeps, state.written_tables()
-            else:
-                first = replicas[0].nodes[i].module.__dict__
-                first_tables = _changed(moved.get((i, 0), []), replicas[0], i, keeps)
-            mine = _keys_written(state.before(), first, skip)
-            theirs = replicas[place].nodes[i].module.__dict__
-            tables = sorted(_changed(tables, replicas[place], i, keeps))
-            what = alone_writes(
-                state, _keys_written(state.before(), theirs, skip), mine, tables, first_tables
-            )
+            before, keeps = state.before(), state.ref().__dict__
+            theirs: dict[str, Any] = {}
+            if "__dict__" in tables:  # (the attributes: those replica 0 did not write too)
+                skip = _NOT_SHOWN.union(rebound.get(i, ()), before.get("_parameters") or ())
+                theirs = _keys_written(before, replicas[place].nodes[i].module.__dict__, skip)
+                if theirs:
+                    first = keeps if own else replicas[0].nodes[i].module.__dict__
+                    mine = _keys_written(before, first, skip)
+                    theirs = {k: v for k, v in theirs.items() if k not in mine}
+            others = _changed([t for t in tables if t != "__dict__"], replicas[place], i, keeps)
+            if others:  # (the tables: those replica 0 did not write too)
+                others -= (
+                    state.written_tables()
+                    if own
+                    else _changed(moved.get((i, 0), []), replicas[0], i, keeps)
+                )
+            what = alone_writes(theirs, others, keeps)
             if what:
                 self._said.add(i)
                 if names is None:
@@ -257,32 +261,21 @@ def _keys_written(before: dict[str, Any], now: dict[str, Any], skip: Any) -> dic
     return written
 
 
-def alone_writes(
-    state: Any,
-    theirs: dict[str, Any],
-    mine: dict[str, Any],
-    tables: list[str],
-    first_tables: set[str],
-) -> list[str]:
-    """What a later replica wrote on itself (``theirs``: the attributes it set or deleted,
-    ``tables``: its tables that moved) where replica 0 (``mine``, ``first_tables``: the same
-    of the module, or of its copy) did not, shown as a message does: a plain value with the
-    module's (``state``: the module's part of the snapshot), another by its type, a table by
-    its kind. ``[]`` where replica 0 made every such write too (a counter every replica
-    steps): then the module holds what one device would."""
-    keeps = state.ref().__dict__
+def alone_writes(theirs: dict[str, Any], tables: set[str], keeps: dict[str, Any]) -> list[str]:
+    """What a later replica wrote on itself where replica 0 (the module, or its copy) did not,
+    as a message shows it: each attribute set or deleted (``theirs``: ``_keys_written``), a
+    plain value with the module's (``keeps``: its dictionary), another by its type; then each
+    of ``tables`` by its kind. ``[]`` where replica 0 made every such write too (a counter
+    every replica steps): then the module holds what one device would."""
     what = []
     for key, value in theirs.items():
-        if key in mine:
-            continue  # replica 0 wrote it too
         if value is _GONE:
             what.append(f"del {key}")
         elif type(value) in ATOMS:
             what.append(f"{key} = {value!r} (the module keeps {keeps.get(key)!r})")
         else:
             what.append(f"{key} (a {type(value).__name__})")
-    what += sorted({_WRITTEN[t] for t in tables if t in _WRITTEN and t not in first_tables})
-    return what
+    return what + sorted({_WRITTEN[t] for t in tables if t in _WRITTEN})
 
 
 def alone_message(name: str, place: int, what: list[str]) -> str:
