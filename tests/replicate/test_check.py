@@ -25,9 +25,9 @@ from dataparallel.replicate._check import (
     Scripted,
     Snapshot,
     fingerprint,
-    self_referencing,
     structure_key,
 )
+from dataparallel.replicate._reach import self_referencing
 
 
 def _net() -> nn.Sequential:

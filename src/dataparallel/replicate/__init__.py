@@ -46,13 +46,14 @@ from torch import nn
 
 from dataparallel._common.checks import replicate_scripted
 from dataparallel.devices import DeviceSpec, resolve_devices
-from dataparallel.replicate._check import Scripted, fingerprint, self_referencing
+from dataparallel.replicate._check import Scripted, fingerprint
 from dataparallel.replicate._compiled import (
     CompiledReplicas,
     check_compile_option,
     check_not_compiled,
     warn_compiled_wrapper,
 )
+from dataparallel.replicate._reach import self_referencing
 from dataparallel.replicate._rebind import SERIAL, serial_mark
 from dataparallel.replicate._replicas import Kept, Replicas
 from dataparallel.replicate._written import check_writes

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataparallel.replicate._check import filled
 from dataparallel.replicate._library import library_file, library_module
+from dataparallel.replicate._reach import filled
 
 __all__ = [
     "ABSENT",

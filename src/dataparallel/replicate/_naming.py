@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from dataparallel.replicate._check import filled
 from dataparallel.replicate._kinds import MAX_DEPTH, MAX_VISITS
+from dataparallel.replicate._reach import filled
 
 __all__ = [
     "KINDS",

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from dataparallel._common.warn import warn_user
-from dataparallel.replicate._check import filled
 from dataparallel.replicate._copy import Mapping, Pass, rebind
 from dataparallel.replicate._holders import Held
 from dataparallel.replicate._kinds import ATOMS, MAX_DEPTH, from_library, global_names, plain_record
@@ -49,6 +48,7 @@ from dataparallel.replicate._naming import (
     serial_message,
     written_message,
 )
+from dataparallel.replicate._reach import filled
 
 __all__ = [
     "HOOKS_SEEN",
