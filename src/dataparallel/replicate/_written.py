@@ -213,6 +213,12 @@ class ForwardWrites:
         clones = self.clones
         kept: dict[tuple[int, int], Pair] = {}
         out = [per_device[0]]
+        # Which kept clones are current, read for all before any clone is made: a clone makes
+        # its source copy-on-write again, and with it every tensor on the same storage (views
+        # of one flat buffer), whose own clone would then look current.
+        current = {
+            key for key, (source, clone, _) in clones.items() if _IS_COW(source) and _IS_COW(clone)
+        }
         for j in range(1, len(per_device)):
             mine = list(per_device[j])
             for i in frozen:
@@ -220,7 +226,7 @@ class ForwardWrites:
                 entry = clones.get((j, i))
                 if entry is None or entry[0] is not source:
                     entry = _pair(source, _clone(source))
-                elif not (_IS_COW(source) and _IS_COW(entry[1])):
+                elif (j, i) not in current:
                     # The same clone object, its data rebound to the module's value: a graph
                     # an earlier call saved it in then reads what this call's forward writes,
                     # as on one device (a spectral norm's ``u``, two calls, one backward).
@@ -283,11 +289,18 @@ class ForwardWrites:
         done: set[int] = set()
         # (the slots some replica after the first wrote: one pass, not one per pair)
         others = {i for k, (i, _) in enumerate(pairs) if written[n + k]}
+        # Replica 0's writes by memory: copy-on-write tells a write to the memory, so views of
+        # one buffer are written together, and said together; a view some later replica wrote
+        # explains the others' flag.
+        mine: dict[int, dict[int, torch.Tensor]] = {}
+        for k, (i, _) in enumerate(pairs):
+            if written[k] and i not in self.landed:
+                mine.setdefault(_memory(tensors[k]), {})[i] = tensors[k]
+        for views in mine.values():
+            if others.isdisjoint(views):  # (replica 0's own write, in no other replica)
+                self.landed.update(views)
+                warn_user(_chunk_write(_names(replica, [*views.values()]), 0))
         for k, (i, j) in enumerate(pairs):
-            if written[k] and i not in self.landed and i not in others:
-                # (replica 0's own write, in no other replica: on the module, said)
-                self.landed.add(i)
-                warn_user(_chunk_write(_names(replica, [tensors[k]])[0], 0))
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
             if i in done or not written[n + k] or written[k]:
                 continue
@@ -301,7 +314,7 @@ class ForwardWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.landed:
                 self.landed.add(i)
-                warn_user(_chunk_write(_names(replica, [source])[0], j))
+                warn_user(_chunk_write(_names(replica, [source]), j))
 
     def refuse(self, replica: Any, now: list[int | None]) -> None:
         """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
@@ -325,8 +338,21 @@ class ForwardWrites:
         )
 
 
-def _chunk_write(name: str, j: int) -> str:
-    """The warning for a frozen parameter ``name`` that replica ``j`` alone wrote."""
+def _memory(tensor: torch.Tensor) -> int:
+    """The identity of the memory ``tensor`` is a view of (read without materialising a
+    copy-on-write tensor)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _chunk_write(names: list[str], j: int) -> str:
+    """The warning for a frozen parameter (``names``) that replica ``j`` alone wrote, or for
+    several that are views of one memory, written together."""
+    what = (
+        f"the parameter {names[0]} (it does not require grad)"
+        if len(names) == 1
+        else f"the memory of the parameters {', '.join(names)} (they do not require grad, "
+        f"and are views of one tensor: a write to one is a write to all)"
+    )
     where = (
         "in replica 0 (its chunk) and in no other replica: the module has its write"
         if j == 0
@@ -334,7 +360,7 @@ def _chunk_write(name: str, j: int) -> str:
         f"module after the call"
     )
     return (
-        f"module: forward wrote the parameter {name} (it does not require grad) {where}, as one "
+        f"module: forward wrote {what} {where}, as one "
         f"device makes it once per call, but every other replica computed its chunk with the "
         f"value from before it, where one device computes every sample after a write made "
         f"before the read. To have every sample see it, make the write outside the wrapped "
