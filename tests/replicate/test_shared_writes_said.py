@@ -249,3 +249,57 @@ def test_an_attribute_a_hook_writes_on_itself_is_said(kind: str, devices: list[s
     name = "tally" if kind == "function" else "functools.partial(tally_by)"
     assert f"a variable or attribute of the forward hook {name} of module '0'" in said[0]
     assert func.calls == 2 * len(devices)  # (what was said is what happened)
+
+
+class Steps(nn.Module):
+    """A user's base class whose subclass counts its calls in a class attribute."""
+
+    calls = 0
+    name = "steps"  # read only
+
+
+class Stepped(Steps):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1  # (on ``Stepped``: the subclass's own from the first write)
+        return self.lin(x) * len(self.name)
+
+
+class HoldsStepped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Stepped()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("where", ["root", "child"])
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=str)
+def test_a_class_attribute_written_in_forward_is_said(devices: list[str], where: str) -> None:
+    """A class is one object for every replica: ``type(self).calls += 1`` is made once per
+    replica, where one device makes it once per call (silent on 9727e1c). Said once, naming
+    the class attribute; the count is what it is, one per replica per call."""
+    Stepped.calls = Steps.calls = 0
+    net: nn.Module = Stepped() if where == "root" else HoldsStepped()
+    model = dp.DataParallel(net, devices)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(6, 4))
+    said = [str(w.message) for w in caught if "class attribute" in str(w.message)]
+    where_said = "the module itself" if where == "root" else "module 'inner'"
+    assert said == [
+        f"module: forward wrote the class attribute Stepped.calls (of the class of "
+        f"{where_said}), a class the {len(devices)} replicas share (it leads to no module, so "
+        f"it is not copied for each): every replica that reaches it wrote it, so a write one "
+        f"device makes once per forward (an append, a count) was made up to {len(devices)} "
+        f"times in this call, each from its replica's chunk. To keep one write per call, make "
+        f"it from the wrapper's output after the call, or keep the state in a tensor buffer "
+        f"(written once per call, from replica 0's chunk)"
+    ], said
+    assert Stepped.calls == 3 * len(devices) and Steps.calls == 0

@@ -8,6 +8,7 @@ words change without touching what is searched.
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Any
 
 from torch import nn
@@ -80,14 +81,25 @@ def hook_name(hook: Any) -> str:
     return qualname(hook) or type(hook).__name__
 
 
-def written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str:
+def written_message(
+    root: nn.Module, index: int, obj: Any, replicas: int, held: list[Any] | None = None
+) -> str:
     """The warning for ``obj``, a holder the replicas share that forward wrote, found from the
     module at preorder ``index`` of ``root``'s tree (named with the attribute or hook variable
-    that holds it, where one does directly)."""
+    that holds it, where one does directly; a class's dictionary by the class, with the names
+    written since it held ``held``, its keys then values)."""
     named = list(root.named_modules())  # (preorder, each module once: the set's indices)
     name, module = named[index] if index < len(named) else ("", root)
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
+    kind = type(obj).__name__
+    for cls in type(module).__mro__:
+        if gc.get_referents(cls.__dict__)[:1] == [obj]:
+            half = len(held or ()) // 2
+            before = dict(zip((held or [])[:half], (held or [])[half:], strict=True))
+            keys = [k for k, v in obj.items() if before.get(k, obj) is not v] if held else []
+            names = ", ".join(f"{cls.__name__}.{k}" for k in keys) or "an attribute"
+            how, kind = f"the class attribute {names} (of the class of {where})", "class"
     if obj is getattr(type(module), "forward", None):  # (a ``global`` its forward rebinds)
         how = f"a variable or attribute of the forward {qualname(obj)} of {where}"
     for key, value in module.__dict__.items():
@@ -107,7 +119,7 @@ def written_message(root: nn.Module, index: int, obj: Any, replicas: int) -> str
                 kind = KINDS.get(table, "hook")
                 how = f"a variable or attribute of the {kind} {hook_name(hook)} of {where}"
     return (
-        f"module: forward wrote {how}, a {type(obj).__name__} the {replicas} replicas share (it "
+        f"module: forward wrote {how}, a {kind} the {replicas} replicas share (it "
         f"leads to no module, so it is not copied for each): every replica that reaches it "
         f"wrote it, so a write one device makes once per forward (an append, a count) was made "
         f"up to {replicas} times in this call, each from its replica's chunk. To keep one write "

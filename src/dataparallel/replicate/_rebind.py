@@ -40,7 +40,15 @@ from torch import nn
 from dataparallel._common.warn import warn_user
 from dataparallel.replicate._copy import Mapping, Pass, rebind
 from dataparallel.replicate._holders import Held
-from dataparallel.replicate._kinds import ATOMS, MAX_DEPTH, from_library, global_names, plain_record
+from dataparallel.replicate._kinds import (
+    ATOMS,
+    MAX_DEPTH,
+    contents,
+    from_library,
+    global_names,
+    plain_record,
+)
+from dataparallel.replicate._library import library_module
 from dataparallel.replicate._naming import (
     KINDS,
     REBOUND_TABLES,
@@ -137,6 +145,7 @@ class Rebinding:
             if t is not None
         }
         bindable = dict.fromkeys(own, _PROBE)  # (bound as modules are: ``bind_tensors``)
+        classes = class_dicts(modules)
         for i in indices:
             d = modules[i].__dict__
             search = Pass(probe, watch=True, own=bindable)
@@ -160,6 +169,7 @@ class Rebinding:
                 *(Held(obj, held) for obj, held in search.copied),
                 *(Held(obj, held, shared=True) for obj, held in search.walked),
                 *(Held(t, [], shared=True) for t in tensors.values()),
+                *(Held(d, contents(d), shared=True) for d in classes.get(i, ())),
             ]
             if watched:
                 self.watched[i] = watched
@@ -227,7 +237,7 @@ class Rebinding:
             for holder in watched:
                 if holder.shared and id(holder.obj) not in said and holder.written():
                     said.add(id(holder.obj))
-                    warn_user(written_message(root, i, holder.obj, replicas))
+                    warn_user(written_message(root, i, holder.obj, replicas, holder.held))
 
     def reason(self, modules: list[nn.Module], replicas: int) -> str | None:
         """Why the replicas of the tree ``modules`` must run one at a time (``None``: they
@@ -243,6 +253,24 @@ class Rebinding:
             self.warned = True
             warn_user(serial_message(reason, why))
         return reason
+
+
+def class_dicts(modules: list[nn.Module]) -> dict[int, list[dict[str, Any]]]:
+    """The dictionaries of the user's classes of the tree's modules (not a library's, not
+    ``nn.Module``'s), each under the first module (preorder index) whose class has it: one
+    object every replica shares, whose write in forward (``type(self).calls += 1``) is made
+    once per replica. Watched as shared holders, by their write version."""
+    seen: set[type] = set()
+    found: dict[int, list[dict[str, Any]]] = {}
+    for i, module in enumerate(modules):
+        for cls in type(module).__mro__:
+            if cls in seen or cls is nn.Module or cls is object:
+                continue
+            seen.add(cls)
+            if not library_module(cls.__module__):
+                # (the dictionary under the class's read-only view of it)
+                found.setdefault(i, []).extend(gc.get_referents(cls.__dict__)[:1])
+    return found
 
 
 def _unbound(
