@@ -118,10 +118,11 @@ class Rebinding:
     to that replica's own tensors (:meth:`bind_tensors`), as they may change at every call.
     """
 
-    __slots__ = ("keys", "probe", "serial", "tensors", "told", "warned", "watched")
+    __slots__ = ("classes", "keys", "probe", "serial", "tensors", "told", "warned", "watched")
 
     def __init__(self) -> None:
         self.told: set[int] = set()  # the holders said written in forward (their ids)
+        self.classes: dict[type, int] = {}  # each class's module watching it (``class_dicts``)
         self.keys: dict[int, tuple[str, ...]] = {}
         self.serial: dict[int, tuple[str, Any, str]] = {}
         self.watched: dict[int, list[Held]] = {}
@@ -145,7 +146,6 @@ class Rebinding:
             if t is not None
         }
         bindable = dict.fromkeys(own, _PROBE)  # (bound as modules are: ``bind_tensors``)
-        classes = class_dicts(modules)
         for i in indices:
             d = modules[i].__dict__
             search = Pass(probe, watch=True, own=bindable)
@@ -169,7 +169,7 @@ class Rebinding:
                 *(Held(obj, held) for obj, held in search.copied),
                 *(Held(obj, held, shared=True) for obj, held in search.walked),
                 *(Held(t, [], shared=True) for t in tensors.values()),
-                *(Held(d, contents(d), shared=True) for d in classes.get(i, ())),
+                *(Held(d, contents(d), shared=True) for d in self.class_dicts(modules[i], i)),
             ]
             if watched:
                 self.watched[i] = watched
@@ -205,6 +205,22 @@ class Rebinding:
             values = {name: source[name] for name in keys if name in source}
             rebind_state(values, keys, search, modules[i])
             modules[i].__dict__.update(values)
+
+    def class_dicts(self, module: nn.Module, index: int) -> list[dict[str, Any]]:
+        """The dictionaries of ``module``'s classes that are the user's (not a library's, not
+        ``nn.Module``'s) and that no earlier module of the tree (preorder ``index``) has: one
+        object every replica shares, whose write in forward (``type(self).calls += 1``) is
+        made once per replica. Watched as shared holders, by their write version."""
+        found = []
+        for cls in type(module).__mro__:
+            if (
+                self.classes.setdefault(cls, index) == index
+                and cls is not nn.Module
+                and cls is not object
+                and not library_module(cls.__module__)
+            ):
+                found += gc.get_referents(cls.__dict__)[:1]  # (the dict under the view)
+        return found
 
     def same(self) -> bool:
         """Whether every holder the replicas copied still holds what it held (identities; a
@@ -253,24 +269,6 @@ class Rebinding:
             self.warned = True
             warn_user(serial_message(reason, why))
         return reason
-
-
-def class_dicts(modules: list[nn.Module]) -> dict[int, list[dict[str, Any]]]:
-    """The dictionaries of the user's classes of the tree's modules (not a library's, not
-    ``nn.Module``'s), each under the first module (preorder index) whose class has it: one
-    object every replica shares, whose write in forward (``type(self).calls += 1``) is made
-    once per replica. Watched as shared holders, by their write version."""
-    seen: set[type] = set()
-    found: dict[int, list[dict[str, Any]]] = {}
-    for i, module in enumerate(modules):
-        for cls in type(module).__mro__:
-            if cls in seen or cls is nn.Module or cls is object:
-                continue
-            seen.add(cls)
-            if not library_module(cls.__module__):
-                # (the dictionary under the class's read-only view of it)
-                found.setdefault(i, []).extend(gc.get_referents(cls.__dict__)[:1])
-    return found
 
 
 def _unbound(
