@@ -61,19 +61,17 @@ class Packed(nn.Module):
 
 
 def _cases() -> list[Any]:
-    """Every combination but two the guide says are dropped, not landed, when a later replica
-    alone makes them: a write of a buffer (a later replica's private copy, as BatchNorm's
-    statistics), and an in-place write through ``.data`` of a replica's own copy on another
-    device (it moves no version or address: "A forward that writes its parameters")."""
+    """Every combination but one the guide says is dropped, not landed, when a later replica
+    alone makes it: an in-place write through ``.data`` of a replica's own copy on another
+    device (it moves no version or address: "A forward that writes its parameters"). A later
+    replica's write of the flat tensor where it is a buffer (its private copy) lands as a
+    buffer's does (``test_buffer_writes.py``), and its views with it."""
     cases = []
     for devices, ids in zip(DEVICE_LISTS, ["shared", "copied", "three"], strict=True):
         for write in ["flat", "view", "view .data"]:
             for base in ["buffer", "parameter"]:
                 for flagged in [False, True]:
-                    if flagged and (
-                        (write == "flat" and base == "buffer")
-                        or (write == "view .data" and ids == "copied")
-                    ):
+                    if flagged and write == "view .data" and ids == "copied":
                         continue
                     name = f"{ids}-{write}-{base}-{'flagged chunk' if flagged else 'every chunk'}"
                     cases.append(pytest.param(devices, write, base, flagged, id=name))

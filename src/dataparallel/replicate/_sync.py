@@ -191,6 +191,7 @@ class TensorSync:
         ):
             try:  # every copy free to write, as the last call left them
                 _copy_all(ready.dests, ready.sources)
+                self.writes.buffers.mark(self.replicas, buffers, ready)
                 return
             except RuntimeError:  # pragma: no cover - the careful path says why
                 pass
@@ -235,6 +236,7 @@ class TensorSync:
             # A copy with no storage to count (sparse): the careful path on every call.
             with contextlib.suppress(RuntimeError, TypeError, NotImplementedError):
                 self.ready = Ready(inference, buffers, mine_all, theirs)
+        self.writes.buffers.mark(self.replicas, buffers, self.ready)
 
 
 def _mode() -> str | None:

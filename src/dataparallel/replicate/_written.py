@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from dataparallel._common.warn import warn_user
+from dataparallel.replicate._buffer_writes import BufferWrites, chunk_write, memory_of
 
 __all__ = ["WRITES", "ForwardWrites", "check_writes", "resync"]
 
@@ -69,6 +70,7 @@ class ForwardWrites:
 
     __slots__ = (
         "before",
+        "buffers",
         "clones",
         "frozen",
         "frozen_marks",
@@ -114,6 +116,8 @@ class ForwardWrites:
         # A weak reference to the replica set, told right after each call what its replicas
         # wrote on themselves (``Replicas.after_call``; ``None``: none to tell).
         self.own: Callable[[], Any] | None = None
+        # The later replicas' private buffer copies, read for a write only one of them made.
+        self.buffers = BufferWrites()
 
     def __getstate__(self) -> tuple[None, dict[str, Any]]:
         """Pickled or copied (``torch.save(replica)``) without the weak reference to the set,
@@ -295,11 +299,11 @@ class ForwardWrites:
         mine: dict[int, dict[int, torch.Tensor]] = {}
         for k, (i, _) in enumerate(pairs):
             if written[k] and i not in self.landed:
-                mine.setdefault(_memory(tensors[k]), {})[i] = tensors[k]
+                mine.setdefault(memory_of(tensors[k]), {})[i] = tensors[k]
         for views in mine.values():
             if others.isdisjoint(views):  # (replica 0's own write, in no other replica)
                 self.landed.update(views)
-                warn_user(_chunk_write(_names(replica, [*views.values()]), 0))
+                warn_user(chunk_write(_names(replica, [*views.values()]), 0))
         for k, (i, j) in enumerate(pairs):
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
             if i in done or not written[n + k] or written[k]:
@@ -314,7 +318,7 @@ class ForwardWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.landed:
                 self.landed.add(i)
-                warn_user(_chunk_write(_names(replica, [source]), j))
+                warn_user(chunk_write(_names(replica, [source]), j))
 
     def refuse(self, replica: Any, now: list[int | None]) -> None:
         """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
@@ -336,36 +340,6 @@ class ForwardWrites:
             f"max_norm), or, if forward must write it, set requires_grad=False on it (each "
             f"replica then writes its own copy) or give each replica a device of its own"
         )
-
-
-def _memory(tensor: torch.Tensor) -> int:
-    """The identity of the memory ``tensor`` is a view of (read without materialising a
-    copy-on-write tensor)."""
-    return int(tensor.untyped_storage()._cdata)
-
-
-def _chunk_write(names: list[str], j: int) -> str:
-    """The warning for a frozen parameter (``names``) that replica ``j`` alone wrote, or for
-    several that are views of one memory, written together."""
-    what = (
-        f"the parameter {names[0]} (it does not require grad)"
-        if len(names) == 1
-        else f"the memory of the parameters {', '.join(names)} (they do not require grad, "
-        f"and are views of one tensor: a write to one is a write to all)"
-    )
-    where = (
-        "in replica 0 (its chunk) and in no other replica: the module has its write"
-        if j == 0
-        else f"in replica {j} (its chunk), and not in replica 0: its write was copied onto the "
-        f"module after the call"
-    )
-    return (
-        f"module: forward wrote {what} {where}, as one "
-        f"device makes it once per call, but every other replica computed its chunk with the "
-        f"value from before it, where one device computes every sample after a write made "
-        f"before the read. To have every sample see it, make the write outside the wrapped "
-        f"call (from the batch, before model(x)); said once"
-    )
 
 
 _NO_MARKS: dict[str, Any] = {}  # (read only: an object without a ``__dict__``)
@@ -393,6 +367,8 @@ def check_writes(replicas: Sequence[Any]) -> None:
                 ran = id(first) == writes.head
             if writes.frozen[0]:
                 writes.land(first, dropped=not ran)
+            if writes.buffers.before is not None:  # (after ``land``: a buffer's views)
+                writes.buffers.land(first, dropped=not ran)
             owner = None if writes.own is None else writes.own()
             if owner is not None:
                 owner.after_call(ran)
