@@ -84,7 +84,7 @@ class Net(nn.Module):
 
 
 def _run(
-    devices: list[str], kind: str, flagged: str, child: bool, grad: bool
+    devices: list[str], kind: str, flagged: str, child: bool, grad: bool, inference: bool = False
 ) -> tuple[Net, Net, list[list[str]], dp.DataParallel]:
     """Three calls of the wrapper and of the oracle (one device; replica 0's chunk alone
     where every chunk writes, as BatchNorm's rule), checked call by call; what each said."""
@@ -97,7 +97,11 @@ def _run(
     for call in range(3):
         x = torch.randn(6, 4, generator=gen)
         x[0 if flagged == "first" else -1, 0] = 10.0
-        with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            torch.set_grad_enabled(grad),
+            torch.inference_mode(inference),
+        ):
             warnings.simplefilter("always")
             out = wrapper(x)
             if grad:
@@ -143,7 +147,10 @@ def test_a_buffer_one_replica_alone_writes_lands_and_is_said(
 
 
 @pytest.mark.parametrize("devices", DEVICES, ids=str)
-def test_a_later_replicas_buffer_write_lands_without_grad(devices: list[str]) -> None:
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_later_replicas_buffer_write_lands_without_grad(devices: list[str], mode: str) -> None:
     """The same under ``torch.no_grad()`` (copies refreshed in place by the fused copy, the
-    pairs kept across calls)."""
-    _run(devices, "add_", "last", False, grad=False)
+    pairs kept across calls) and ``torch.inference_mode()``, whose copies were inference
+    tensors, with no version to read (the write was dropped there, after the fix above)."""
+    *_, said, _ = _run(devices, "add_", "last", False, grad=False, inference=mode != "no_grad")
+    assert [len(s) for s in said] == [1, 0, 0], said

@@ -18,8 +18,9 @@ way. Where several replicas wrote it (BatchNorm's ``num_batches_tracked``), repl
 stands, from its chunk, as torch's own replicas give. BatchNorm's running statistics are
 written by its kernel without a version bump: not read here, as they are every replica's.
 
-Not read: copies made under ``torch.inference_mode()`` (inference tensors keep no version),
-and writes through ``.data`` (a tensor of its own, with a version of its own).
+The copies are made outside inference mode in every mode (``_sync``), so their versions are
+read under ``torch.inference_mode()`` too. Not read: writes through ``.data`` (a tensor of
+its own, with a version of its own), and a module's buffer that is itself an inference tensor.
 """
 
 from __future__ import annotations

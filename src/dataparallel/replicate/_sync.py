@@ -14,7 +14,8 @@ objects are built and refilled there, their parameters and buffers brought in li
   updates do not bump ``_version``);
 - buffers: replica 0 uses the module's own buffers when it sits on their device, so BatchNorm
   running statistics update exactly as in torch, from replica 0's chunk; every other replica
-  has private copies, written in place while nothing else holds them, else made anew.
+  has private copies, written in place while nothing else holds them, else made anew, outside
+  inference mode in every mode (a version counter: ``_buffer_writes`` reads it).
 
 Copy on write: a tensor that an autograd graph may have saved is never overwritten. Parameter
 copies: only calls with grad enabled build graphs, and they always get new copies; the copies
@@ -212,13 +213,16 @@ class TensorSync:
                     elif (
                         mine is NOT_YET
                         or mine is None
-                        or mine.is_inference() != inference
+                        or mine.is_inference()
                         or mine.shape != b.shape
                         or mine.dtype != b.dtype
                         or _USE_COUNT(mine) != 1
                         or _aliased(mine)
                     ):
-                        row[i] = _copy_to(b.detach(), device)
+                        # (made outside inference mode in every mode: a version counter,
+                        # which ``BufferWrites`` reads for a write only this replica made)
+                        with torch.inference_mode(False):
+                            row[i] = _copy_to(b.detach(), device)
                     else:
                         dests.append(mine)
                         # The buffer itself, not an alias: an alias would keep reading the old
