@@ -109,10 +109,12 @@ class BufferWrites:
         for i, k in theirs.items():
             if i in mine:
                 continue  # replica 0 wrote it too: its write stands
-            source = tensors[k]
+            source, written = tensors[k], tensors[n + k]
             version = source._version
             with torch.no_grad():
-                source.copy_(tensors[n + k])
+                if source.shape != written.shape:  # (resized in place, as one device would)
+                    source.resize_(written.shape)
+                source.copy_(written)
             _SET_VERSION((source,), (version,))
             if i not in self.said:
                 self.said.add(i)

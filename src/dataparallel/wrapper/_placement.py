@@ -160,7 +160,10 @@ def copy_writes_back(
             if theirs is None or mine is theirs:
                 continue
             value = theirs.to(mine.device)
-            if mine.shape != value.shape or mine.dtype != value.dtype or not mine.equal(value):
+            if mine.shape != value.shape:  # (resized in place by the forward: as one device)
+                mine.resize_(value.shape)
+                mine.copy_(value)
+            elif mine.dtype != value.dtype or not mine.equal(value):
                 mine.copy_(value)
         # Parameters that do not require grad, as buffers (an EMA teacher, a counter): one
         # device writes them once per call (``replicate._written``); replica 0 wrote its copy.
