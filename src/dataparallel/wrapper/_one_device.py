@@ -2,8 +2,9 @@
 
 A checked call deep-copies the module first, runs the data-parallel call, then the same call on
 the copy, on ``device_ids[0]``, from the same random state (and puts the stream back where the
-data-parallel call left it). It compares the outputs at once, the module's parameters and
-buffers with the copy's after the call (what forward wrote), and, when the user's backward
+data-parallel call left it). It compares the outputs at once, the module's parameters,
+buffers and plain attributes with the copy's after the call (what forward wrote:
+``_state_diff``), and, when the user's backward
 reaches an output, that output's contribution to each parameter's gradient with the copy's
 driven by the same output gradient (``torch.autograd.grad`` from a hook on the gathered
 output: ``.grad`` and the optimizer never see it). Each difference beyond ``RTOL`` of the
@@ -31,6 +32,7 @@ from dataparallel._common.tree import flatten, map_tensors
 from dataparallel._common.warn import warn_user
 from dataparallel.wrapper._check_option import OneDeviceDifference
 from dataparallel.wrapper._results import DeviceOutputs
+from dataparallel.wrapper._state_diff import state_differences
 
 __all__ = ["RTOL", "checked_call"]
 
@@ -229,6 +231,8 @@ def _compare(w: Any, state: _State, session: _Session, out: Any, ref: Any) -> No
                     f"{what} {name}",
                     f"{what} {name} after the call: {size}{_why(what, module)}",
                 )
+    for place, words in state_differences(module, session.copy):
+        _report(w, state, place, f"{place} after the call: {words}{_why('attribute')}")
 
 
 _VALUES = (torch.Tensor, int, float, complex, str, bytes, type(None))
@@ -309,6 +313,12 @@ _WHY = {
         "; forward wrote the parameter (in place or through .data) from its chunk: no rule of "
         "the library covers it"
     ),
+    "attribute": (
+        "; forward wrote it from replica 0's chunk (replica 0's write of the module's own "
+        "state lands once per call), or once per replica where the replicas share it (a list, "
+        "a dict, a numpy array): compute it from the wrapper's output after the call, or keep "
+        "it in a tensor buffer, whose write one replica alone makes lands too"
+    ),
     "grad": (
         "; with the outputs the same, the backward differs: a tensor that forward wrote (in "
         "place or through .data) and an earlier call's backward reads, or a hook: no rule of "
@@ -320,7 +330,9 @@ _WHY = {
 def _why(what: str, module: nn.Module | None = None) -> str:
     """The rule or option that explains a difference of kind ``what``, or the words that say
     none covers it. The module's layers name the usual causes first."""
-    hints = [] if module is None or what in ("grad", "scalar") else _layer_hints(module)
+    if module is None or what in ("grad", "scalar", "attribute"):
+        return _WHY[what]
+    hints = _layer_hints(module)
     return "; " + "; ".join(hints) if hints else _WHY[what]
 
 
