@@ -42,14 +42,16 @@ _SET_VERSION = torch._C._autograd._unsafe_set_version_counter
 
 
 class BufferWrites:
-    """The private buffer copies of the replicas after the first, paired with replica 0's
-    buffer for each, and their versions at the last sync."""
+    """The private buffer copies of the replicas after the first, replica 0's tensor for each
+    such buffer, and their versions at the last sync."""
 
-    __slots__ = ("before", "key", "pairs", "said", "tensors")
+    __slots__ = ("before", "key", "pairs", "said", "slots", "tensors")
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[int, int]] = []  # (buffer slot, replica), replica >= 1
-        # Replica 0's tensor for each pair, then the replica's own copy for each.
+        self.slots: list[int] = []  # the buffer slots a later replica has a copy of
+        self.pairs: list[tuple[int, int]] = []  # each copy's (buffer slot, replica >= 1)
+        # Replica 0's tensor for each of ``slots`` (read once however many replicas), then
+        # each copy of ``pairs``.
         self.tensors: list[torch.Tensor] = []
         self.before: list[int] | None = None  # their versions at the sync; None: not read
         self.key: Any = None  # the sync's reusable copy (``Ready``) the pairs were read from
@@ -58,12 +60,14 @@ class BufferWrites:
     def __getstate__(self) -> tuple[None, dict[str, Any]]:
         """Pickled or copied with a replica (``torch.save(replica)``) without this call's
         tensors: the copy marks its own at its next sync."""
-        return None, {"pairs": [], "tensors": [], "before": None, "key": None, "said": self.said}
+        state: dict[str, Any] = {"slots": [], "pairs": [], "tensors": [], "before": None}
+        return None, {**state, "key": None, "said": self.said}
 
     def mark(self, replicas: Sequence[Any], buffers: list[torch.Tensor], ready: Any) -> None:
         """At the sync, after the copies are in line: pair each later replica's private copy
-        with replica 0's tensor for that buffer and read their versions. The pairs are kept
-        while the sync reuses its fused copy (``ready``: the same copy objects)."""
+        with replica 0's tensor for that buffer and read their versions (about 0.07 µs a
+        tensor). The pairs are kept while the sync reuses its fused copy (``ready``: the same
+        copy objects)."""
         if ready is None or ready is not self.key:
             first = replicas[0].buffers(buffers)
             pairs: list[tuple[int, int]] = []
@@ -73,8 +77,9 @@ class BufferWrites:
                 for i in replicas[j].private_slots:
                     pairs.append((i, j))
                     theirs.append(row[i])
+            self.slots = sorted({i for i, _ in pairs})
             self.pairs, self.key = pairs, ready
-            self.tensors = [*(first[i] for i, _ in pairs), *theirs]
+            self.tensors = [*(first[i] for i in self.slots), *theirs]
         try:
             self.before = list(map(_VERSION_OF, self.tensors))
         except RuntimeError:  # an inference tensor: no version to read
@@ -91,25 +96,25 @@ class BufferWrites:
         self.before = None  # (read once per sync)
         if now == before or dropped:
             return
-        pairs, n = self.pairs, len(self.pairs)
+        slots, pairs, m = self.slots, self.pairs, len(self.slots)
         # (the tensors written, found in C: a step counter every replica moves is the usual)
-        changed = list(compress(range(2 * n), map(operator.ne, now, before)))
-        mine = {pairs[k][0] for k in changed if k < n}
-        theirs: dict[int, int] = {}  # slot -> the pair of the first later replica that wrote
+        changed = list(compress(range(len(now)), map(operator.ne, now, before)))
+        mine = {slots[k] for k in changed if k < m}
+        theirs: dict[int, int] = {}  # slot -> the first later replica's copy that was written
         for k in changed:
-            if k >= n:
-                theirs.setdefault(pairs[k - n][0], k - n)
+            if k >= m:
+                theirs.setdefault(pairs[k - m][0], k)
         for i in mine - theirs.keys() - self.said:
-            k = next(k for k, pair in enumerate(self.pairs) if pair[0] == i)
+            source = tensors[slots.index(i)]
             self.said.add(i)
             # (a buffer whose memory parameters view is said by their memory, ``_written``:
             # a write to a view moves the buffer's version, not a later replica's copy's)
-            if memory_of(tensors[k]) not in {memory_of(p) for p in replica.parameters()}:
-                warn_user(chunk_write(_names(replica, tensors[k]), 0, "buffer"))
+            if memory_of(source) not in {memory_of(p) for p in replica.parameters()}:
+                warn_user(chunk_write(_names(replica, source), 0, "buffer"))
         for i, k in theirs.items():
             if i in mine:
                 continue  # replica 0 wrote it too: its write stands
-            source, written = tensors[k], tensors[n + k]
+            source, written = tensors[slots.index(i)], tensors[k]
             version = source._version
             with torch.no_grad():
                 if source.shape != written.shape:  # (resized in place, as one device would)
@@ -118,7 +123,7 @@ class BufferWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.said:
                 self.said.add(i)
-                warn_user(chunk_write(_names(replica, source), self.pairs[k][1], "buffer"))
+                warn_user(chunk_write(_names(replica, source), pairs[k - m][1], "buffer"))
 
 
 def memory_of(tensor: torch.Tensor) -> int:
