@@ -36,6 +36,11 @@ KINDS: dict[str, tuple[Callable[[], Any], Callable[[Any, torch.Tensor], Any], st
     "tuple of the shape": (tuple, lambda s, x: tuple(x.shape), "[0]"),
     "float statistic": (lambda: 0.0, lambda s, x: float(x.abs().mean()), ""),
     "string": (str, lambda s, x: "seen", ""),
+    "None or an array by the batch's size": (
+        lambda: None,
+        lambda s, x: None if x.shape[0] < 6 else np.ones(3),
+        "",
+    ),
     "numpy of the chunk's rows": (
         lambda: np.zeros(1),
         lambda s, x: np.array([float(x.shape[0])]),
@@ -73,6 +78,8 @@ class Net(nn.Module):
 
 def _same(a: Any, b: Any) -> bool:
     """The test's own comparison: equal values, floats within 1e-6 relative."""
+    if type(a) is not type(b):
+        return False
     if isinstance(a, np.ndarray):
         return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-6, atol=0))
     if isinstance(a, float):
@@ -135,6 +142,33 @@ def test_large_equal_arrays_and_nans_are_not_reported() -> None:
             return self.lin(x)
 
     wrapper = dp.DataParallel(Carrier(), ["cpu", "cpu"], check="raise")
+    wrapper.check_every = 1
+    for _ in range(2):
+        wrapper(torch.randn(6, 4))
+
+
+class Keyed(nn.Module):
+    """State keyed by objects of the tree: a dict from each module to its name (a hook's
+    lookup, issue 60 item 5), a set of modules, a dict keyed by tensors; the copy holds
+    copies of them, equal to none of the module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.names = {m: n for n, m in self.named_modules()}
+        self.layers = set(self.children())
+        self.scales = {self.lin.weight: 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * len(self.names) * len(self.layers) * len(self.scales)
+
+
+@pytest.mark.parametrize("devices", DEVICES, ids=str)
+def test_state_keyed_by_the_trees_objects_is_compared_by_position(devices: list[str]) -> None:
+    """Before, the keys were compared by ``==``, and every key of the module's dict differed
+    from the copy's: "keys only here" was reported for a lookup no forward wrote, and a set
+    of modules "differed" the same way."""
+    wrapper = dp.DataParallel(Keyed(), devices, check="raise")
     wrapper.check_every = 1
     for _ in range(2):
         wrapper(torch.randn(6, 4))

@@ -71,7 +71,10 @@ def _difference(a: Any, b: Any, depth: int) -> tuple[str, str] | None:
     if isinstance(b, np.generic):
         b = b.item()
     if isinstance(a, _EXACT) or isinstance(b, _EXACT):
-        return None if a == b else ("", f"{_short(a)} where one device has {_short(b)}")
+        # (``None`` where one device has an array: no ``==`` between them, which would give
+        # an array)
+        same = type(a) is type(b) and _equal(a, b)
+        return None if same else ("", f"{_short(a)} where one device has {_short(b)}")
     if _number(a) and _number(b):
         return None if _close(a, b) else ("", f"{_short(a)} where one device has {_short(b)}")
     if type(a) is not type(b) or isinstance(a, torch.Tensor):
@@ -87,21 +90,29 @@ def _difference(a: Any, b: Any, depth: int) -> tuple[str, str] | None:
                 return f"[{i}]{found[0]}", found[1]
         return None
     if isinstance(a, dict):
-        if a.keys() != b.keys():
-            here = [k for k in a if k not in b][:4]
-            there = [k for k in b if k not in a][:4]
-            return "", f"keys only here: {here}; only on one device: {there}"
-        for k, x in a.items():
-            found = _difference(x, b[k], depth + 1)
+        if len(a) != len(b):
+            return "", f"{len(a)} entries where one device has {len(b)}"
+        if all(map(_atom, a)) and all(map(_atom, b)):
+            if a.keys() != b.keys():
+                here = [k for k in a if k not in b][:4]
+                there = [k for k in b if k not in a][:4]
+                return "", f"keys only here: {here}; only on one device: {there}"
+            items = [(k, x, b[k]) for k, x in a.items()]
+        else:
+            # Keys that are objects (the tree's modules, tensors): the copy's are copies of
+            # them, equal to none of ours, so the entries are paired by their order.
+            items = [(k, x, y) for (k, x), y in zip(a.items(), b.values(), strict=True)]
+        for k, x, y in items:
+            found = _difference(x, y, depth + 1)
             if found is not None:
-                return f"[{k!r}]{found[0]}", found[1]
+                key = _short(k) if _atom(k) else f"<{type(k).__name__}>"
+                return f"[{key}]{found[0]}", found[1]
         return None
-    if isinstance(a, (set, frozenset)):
-        try:
-            same = a == b
-        except Exception:  # items that cannot be compared
+    if isinstance(a, (set, frozenset)) and all(map(_atom, a)) and all(map(_atom, b)):
+        # (a set of objects is not compared: the copy's are copies, equal to none of ours)
+        if a == b:
             return None
-        return None if same else ("", f"{len(a)} items where one device has {len(b)} (or others)")
+        return "", f"{len(a)} items where one device has {len(b)} (or others)"
     return None
 
 
@@ -134,6 +145,21 @@ def _at(a: np.ndarray, b: np.ndarray, at: tuple[Any, ...]) -> tuple[str, str]:
     """The place ``at`` in two arrays, and their values there."""
     where = f"[{', '.join(str(int(i)) for i in at)}]" if at else ""
     return where, f"{_short(a[at].item())} where one device has {_short(b[at].item())}"
+
+
+def _atom(x: Any) -> bool:
+    """Whether ``x`` is a value compared by ``==`` as a key or a set's item (a number, a
+    string, ``None``, or a tuple of these), not an object that the copy holds a copy of."""
+    return isinstance(x, (*_EXACT, int, float, complex)) or (
+        type(x) is tuple and all(map(_atom, x))
+    )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # (an ``__eq__`` of a subclass that does not give a truth value)
+        return False
 
 
 def _number(x: Any) -> bool:
