@@ -11,7 +11,9 @@ differs is named with the first place inside it that does (``attribute hist[3]: 
 device has 3``).
 
 Compared: numbers (floats relative to their magnitude), strings, bytes, ``None``, numpy arrays
-and scalars, and lists, tuples, deques, dicts and sets of these, down to four levels. Not
+and scalars, and lists, tuples, deques, dicts and sets of these, down to four levels. A dict
+keyed by objects (the tree's modules, tensors) is compared by the order of its entries and a
+set of them not at all: the copy holds copies of them, equal to none of the module's. Not
 compared: other objects (an iterator, a generator, a config object: nothing to compare them
 by), and tensors kept as plain attributes. A tensor a forward keeps of its batch (a capture of
 the last activations, a target of the batch's shape made once and reused: pix2pixHD's GAN
