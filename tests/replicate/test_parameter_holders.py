@@ -72,6 +72,8 @@ class HeldEma(nn.Module):
             self.held = {"teacher": t, "student": s}
         elif holder == "object":
             self.held = EmaState(t, s)
+        elif holder == "keyed":  # the tree's tensors as keys: each teacher's student
+            self.held = dict(zip(t, s, strict=True))
         elif holder == "closure":
 
             def hook(module: nn.Module, args: Any) -> None:
@@ -91,6 +93,8 @@ class HeldEma(nn.Module):
             _update(held["teacher"], held["student"], self.style)
         elif self.holder == "object":
             _update(held.teacher, held.student, self.style)
+        elif self.holder == "keyed":
+            _update(list(held), list(held.values()), self.style)
         return self.student(x), self.teacher(x)
 
 
@@ -102,7 +106,7 @@ def _step(model: nn.Module, out: tuple[torch.Tensor, torch.Tensor]) -> None:
             p.grad = None
 
 
-HOLDERS = ["list", "pairs", "dict", "object", "closure", "partial"]
+HOLDERS = ["list", "pairs", "dict", "object", "closure", "partial", "keyed"]
 STYLES = ["foreach", "data", "copy"]
 
 
@@ -156,6 +160,38 @@ def test_a_trainable_parameter_read_through_a_holder_is_each_replicas_own(
     out.square().sum().backward()
     want.square().sum().backward()
     assert_close_rel(par.emb.weight.grad, ref.emb.weight.grad)
+
+
+class Keyed(nn.Module):
+    """A scale per parameter, looked up in forward by the parameter itself (a mask or a
+    learning-rate factor kept as ``{param: value}``, as pruning and optimizer-like code keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.scales = {self.lin.weight: 2.0, self.lin.bias: 0.5}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.lin.weight, self.lin.bias
+        return F.linear(x, w * self.scales[w], b * self.scales[b])
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu:1"], ["cpu:1", "cpu:2"], ["cpu", "cpu"]], ids=str)
+def test_a_dict_keyed_by_the_trees_parameters_is_each_replicas_own(devices: list[str]) -> None:
+    """Before, the keys stayed the module's tensors: a replica whose parameters are copies
+    (another device) raised ``KeyError`` looking its own weight up."""
+    ref = Keyed()
+    par = copy.deepcopy(ref)
+    wrapper = dp.DataParallel(par, devices)
+    x = torch.randn(6, 4)
+    for grad in (True, False, True):
+        with torch.set_grad_enabled(grad):
+            out, want = wrapper(x), ref(x)
+        assert_close_rel(out, want, msg=f"grad {grad}")
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert_close_rel(par.lin.weight.grad, ref.lin.weight.grad)
 
 
 class HeldStats(nn.Module):

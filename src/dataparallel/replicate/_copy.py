@@ -181,8 +181,12 @@ class Pass:
             if all(map(operator.is_, items, value)):
                 return value
             return kind(items)
-        if isinstance(value, dict) and not ATOMS.issuperset(map(type, value)):
-            return self._keyed(value, kind, deeper)  # keys that may be modules of the tree
+        if isinstance(value, dict) and (
+            not ATOMS.issuperset(map(type, value))
+            or (self.own and not self.library and any([id(k) in self.own for k in value]))
+        ):
+            # keys that may be modules of the tree, or are its tensors (``{param: mask}``)
+            return self._keyed(value, kind, deeper)
         if kind is dict:
             if len(value) > RECORDS:
                 new = {
