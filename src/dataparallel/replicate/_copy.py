@@ -42,6 +42,7 @@ from dataparallel.replicate._kinds import (
 __all__ = ["Mapping", "Pass", "rebind"]
 
 Mapping = dict[int, Any]  # id of a tree module -> what to bind in its place
+_TENSOR_KINDS = frozenset({torch.Tensor, nn.Parameter})  # (keys that may be the tree's)
 
 
 def rebind(value: Any, mapping: Mapping) -> Any:
@@ -181,12 +182,16 @@ class Pass:
             if all(map(operator.is_, items, value)):
                 return value
             return kind(items)
-        if isinstance(value, dict) and (
-            not ATOMS.issuperset(map(type, value))
-            or (self.own and not self.library and any([id(k) in self.own for k in value]))
-        ):
-            # keys that may be modules of the tree, or are its tensors (``{param: mask}``)
-            return self._keyed(value, kind, deeper)
+        if isinstance(value, dict):
+            keys = set(map(type, value))  # (one C-level pass, as a vocabulary's is)
+            if not ATOMS.issuperset(keys) or (
+                self.own
+                and not self.library
+                and not _TENSOR_KINDS.isdisjoint(keys)
+                and any([id(k) in self.own for k in value if type(k) in _TENSOR_KINDS])
+            ):
+                # keys that may be modules of the tree, or are its tensors (``{param: mask}``)
+                return self._keyed(value, kind, deeper)
         if kind is dict:
             if len(value) > RECORDS:
                 new = {
