@@ -130,7 +130,7 @@ def _arrays(a: np.ndarray, b: np.ndarray) -> tuple[str, str] | None:
             diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
         magnitude = np.abs(np.nan_to_num(a)).max(), np.abs(np.nan_to_num(b)).max()
         scale = max(float(magnitude[0]), float(magnitude[1]), _FLOOR)
-        at = np.unravel_index(int(diff.argmax()), diff.shape)
+        at = np.unravel_index(int(np.argmax(diff)), diff.shape)
         if float(diff[at]) <= _RTOL * scale:
             return None
         return _at(a, b, at)
@@ -140,7 +140,7 @@ def _arrays(a: np.ndarray, b: np.ndarray) -> tuple[str, str] | None:
         return None
     if unequal.shape != a.shape or not unequal.any():
         return None
-    return _at(a, b, np.unravel_index(int(unequal.argmax()), a.shape))
+    return _at(a, b, np.unravel_index(int(np.argmax(unequal)), a.shape))
 
 
 def _at(a: np.ndarray, b: np.ndarray, at: tuple[Any, ...]) -> tuple[str, str]:
