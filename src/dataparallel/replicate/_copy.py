@@ -22,11 +22,13 @@ import types
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from dataparallel.replicate._kinds import (
     ABSENT,
+    ARRAY_BYTES,
     ATOMS,
     MAX_DEPTH,
     MAX_VISITS,
@@ -63,7 +65,8 @@ class Pass:
     later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
     pass stopped short (past ``MAX_DEPTH`` or ``MAX_VISITS``): what lies beyond was
     not searched. With ``watch``, ``tensors`` lists the tensors met outside a library's state
-    (their data is never walked: ``_holders.Held`` reads their version). ``local`` is the
+    (their data is never walked: ``_holders.Held`` reads their version), and ``arrays`` the
+    numpy arrays, up to :data:`ARRAY_BYTES` of them (read by their bytes). ``local`` is the
     first ``threading.local`` met outside a library's state:
     each thread sees its own attributes there, so a replica on a worker thread would not see
     what the caller's thread set (its replicas then run on the calling thread).
@@ -81,6 +84,7 @@ class Pass:
     """
 
     __slots__ = (
+        "arrays",
         "bound",
         "copied",
         "cut",
@@ -89,6 +93,7 @@ class Pass:
         "mapping",
         "memo",
         "own",
+        "room",
         "tensors",
         "visits",
         "walked",
@@ -106,6 +111,8 @@ class Pass:
         self.cut = False
         self.local: threading.local | None = None
         self.tensors: list[torch.Tensor] = []  # with ``watch``: the tensors met, not walked
+        self.arrays: list[np.ndarray[Any, Any]] = []  # and the numpy arrays, within ``room``
+        self.room = ARRAY_BYTES
         self.library = 0  # how deep inside a library's object or function the pass is
         self.visits = 0
 
@@ -137,6 +144,8 @@ class Pass:
             return self.mapping.get(id(value), value)
         if isinstance(value, OPAQUE):
             return self._own(value) if isinstance(value, torch.Tensor) else value
+        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+            return self._array(value)
         if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
             if self.local is None and not self.library:
                 self.local = value
@@ -163,6 +172,21 @@ class Pass:
             self.walked.append((value, contents(value)))  # (a tuple's items cannot change)
         self.memo[key] = result
         return result
+
+    def _array(self, value: np.ndarray[Any, Any]) -> Any:
+        """A numpy array (of numbers) is data, never walked. With ``watch``, outside a library's
+        state, one that fits in what is left of :data:`ARRAY_BYTES` is recorded: it has no write
+        version, so ``_holders.Held`` reads its bytes before and after each call."""
+        if (
+            self.watch
+            and not self.library
+            and value.nbytes <= self.room
+            and id(value) not in self.memo
+        ):
+            self.memo[id(value)] = value
+            self.room -= value.nbytes
+            self.arrays.append(value)
+        return value
 
     def _rebuild(self, value: Any, kind: type, deeper: int) -> Any:
         rebind = self.rebind

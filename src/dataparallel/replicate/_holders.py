@@ -36,6 +36,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataparallel.replicate._copy import Mapping, Pass
@@ -110,24 +111,31 @@ class Held:
         "names",
         "obj",
         "own",
+        "read",
         "sample",
         "sampled",
         "shared",
-        "tensor",
         "version",
     )
 
     def __init__(self, obj: Any, held: list[Any], shared: bool = False) -> None:
         self.obj = obj
         self.held = held
-        # A tensor the replicas share (not a parameter or buffer of the tree: a plain tensor
-        # attribute, a cache in a list): watched by its version alone, as of the last read.
-        self.tensor = isinstance(obj, torch.Tensor)
+        # Data the replicas share (not a parameter or buffer of the tree: a plain tensor
+        # attribute, a cache in a list, a small numpy array): watched by one reading alone, as
+        # of the last read (a tensor's version; an array's bytes, since it has no version).
+        self.read: Callable[[Any], Any] | None = (
+            _tensor_version
+            if isinstance(obj, torch.Tensor)
+            else operator.methodcaller("tobytes")
+            if isinstance(obj, np.ndarray)
+            else None
+        )
         # Left shared by the search (it led nowhere): the replicas read this very object. A
         # holder it copied (it leads to the tree) has a copy per replica, which a write to
         # the original, of anything, leaves behind: only a refill brings it along.
         self.shared = shared
-        self.version: int | None = None
+        self.version: Any = None  # (an int; an array's bytes)
         self.sample: Callable[[Any], Any] | None = None
         self.own = 0  # a function's: how many of ``held`` are its own (``function_own``)
         # A function without cells or keyword defaults (most hooks and methods): its own part
@@ -142,8 +150,8 @@ class Held:
 
     def _cheap(self) -> None:
         obj = self.obj
-        if self.tensor:
-            self.version = _tensor_version(obj)
+        if self.read is not None:
+            self.version = self.read(obj)
         elif (
             _VERSION is not None
             and isinstance(obj, dict)
@@ -175,8 +183,8 @@ class Held:
         """Whether the holder holds what it held, or only grew by items that lead to no module
         of the tree (``probe``: the tree's module ids); then taken as it is now."""
         obj = self.obj
-        if self.tensor:  # (its identity is its holder's to compare: only its version read)
-            self.version = _tensor_version(obj)
+        if self.read is not None:  # (its identity is its holder's to compare: only read)
+            self.version = self.read(obj)
             return True
         version = self.version
         if version is not None:
@@ -234,8 +242,8 @@ class Held:
         defaults and the globals it reads (a hook's ``nonlocal count; count += 1``, or its
         ``global``); a large holder of another kind is not read."""
         obj, held = self.obj, self.held
-        if self.tensor:
-            return _tensor_version(obj) != self.version
+        if self.read is not None:
+            return bool(self.read(obj) != self.version)
         if isinstance(obj, dict) and self.version is not None:
             return _VERSION(obj) != self.version  # type: ignore[misc]
         if isinstance(obj, list):

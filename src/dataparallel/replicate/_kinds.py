@@ -23,6 +23,7 @@ from dataparallel.replicate._reach import filled
 
 __all__ = [
     "ABSENT",
+    "ARRAY_BYTES",
     "ATOMS",
     "MAX_DEPTH",
     "MAX_VISITS",
@@ -110,6 +111,10 @@ RECORDS = 64  # a list or dict longer than this is a table: its plain records ar
 # The most tensors one search records to be read by their version on every call (a table of
 # examples the module carries is data: its tensors past these are not read).
 TENSORS = 64
+# The most bytes of numpy arrays one search records to be read by their bytes before and after
+# every call (a numpy array has no write version): a histogram or a count table is read, a
+# table of embeddings past these is data, not read (``check=`` compares it).
+ARRAY_BYTES = 1 << 16
 
 
 def plain_record(value: Any, kind: type) -> bool:

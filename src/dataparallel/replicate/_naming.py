@@ -92,9 +92,9 @@ def written_message(
     name, module = named[index] if index < len(named) else ("", root)
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
-    kind = type(obj).__name__
+    kind = "numpy array" if type(obj).__module__ == "numpy" else type(obj).__name__
     for cls in type(module).__mro__:
-        if gc.get_referents(cls.__dict__)[:1] == [obj]:
+        if any(ref is obj for ref in gc.get_referents(cls.__dict__)[:1]):
             half = len(held or ()) // 2
             before = dict(zip((held or [])[:half], (held or [])[half:], strict=True))
             keys = [k for k, v in obj.items() if before.get(k, obj) is not v] if held else []
@@ -116,8 +116,9 @@ def written_message(
             # ``nonlocal`` or ``global`` it rebinds, ``hook.calls += 1``; else a holder in
             # one of its variables)
             if func is obj or any(filled(cell) and cell.cell_contents is obj for cell in cells):
-                kind = KINDS.get(table, "hook")
-                how = f"a variable or attribute of the {kind} {hook_name(hook)} of {where}"
+                hook_kind = KINDS.get(table, "hook")
+                how = f"a variable or attribute of the {hook_kind} {hook_name(hook)} of {where}"
+                kind = hook_kind if func is obj else kind  # (else what its variable holds)
     return (
         f"module: forward wrote {how}, a {kind} the {replicas} replicas share (it "
         f"leads to no module, so it is not copied for each): every replica that reaches it "

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -146,9 +147,13 @@ class Rebinding:
             if t is not None
         }
         bindable = dict.fromkeys(own, _PROBE)  # (bound as modules are: ``bind_tensors``)
+        # The numpy arrays read on every call are within one budget for the whole tree.
+        again = set(indices)
+        arrays = {i: _array_bytes(w) for i, w in self.watched.items() if i not in again}
         for i in indices:
             d = modules[i].__dict__
             search = Pass(probe, watch=True, own=bindable)
+            search.room = max(0, search.room - sum(arrays.values()))
             keys, cut = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
@@ -169,8 +174,10 @@ class Rebinding:
                 *(Held(obj, held) for obj, held in search.copied),
                 *(Held(obj, held, shared=True) for obj, held in search.walked),
                 *(Held(t, [], shared=True) for t in tensors.values()),
+                *(Held(a, [], shared=True) for a in search.arrays),
                 *(Held(d, contents(d), shared=True) for d in self.class_dicts(modules[i], i)),
             ]
+            arrays[i] = _array_bytes(watched)
             if watched:
                 self.watched[i] = watched
             else:
@@ -269,6 +276,11 @@ class Rebinding:
             self.warned = True
             warn_user(serial_message(reason, why))
         return reason
+
+
+def _array_bytes(watched: list[Held]) -> int:
+    """The bytes of the numpy arrays among ``watched``, read on every call."""
+    return sum([h.obj.nbytes for h in watched if isinstance(h.obj, np.ndarray)])
 
 
 def _unbound(
