@@ -3,12 +3,14 @@ call when the module carries data that leads to no module (issue 60, item 3).
 
 A small MLP on two CPU replicas, in inference, with nothing attached (the bare call), then with
 each of: a vocabulary dict of 50,000 words, an index-to-word list of 50,000 strings, 30,000
-small record dicts, and a forward hook whose history list gets one record per call (timed after
-3,000 calls, and again after ``--calls`` more); then a hook defined at module level, whose
-module's dictionary is written before every call, as a script's loop writes it. Each row: the
-best of 5 rounds of the median call, its ratio to the bare call timed in rounds interleaved
-with that row's (so a machine whose speed drifts during the run moves both sides of each ratio
-alike), and whether the replicas ran serially (a search cut short). Goal: every ratio at most
+small record dicts, a numpy count table of 64 KiB (the arrays read by their bytes on every
+call are at most that much), a numpy table of 8 MB (past that: not read), and a forward hook
+whose history list gets one record per call (timed after 3,000 calls, and again after
+``--calls`` more); then a hook defined at module level, whose module's dictionary is written
+before every call, as a script's loop writes it. Each row: the best of 5 rounds of the median
+call, its ratio to the bare call timed in rounds interleaved with that row's (so a machine
+whose speed drifts during the run moves both sides of each ratio alike), and whether the
+replicas ran serially (a search cut short). Goal: every ratio at most
 1.3, the history row flat.
 """
 
@@ -21,11 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 import dataparallel as dp
 from dataparallel.replicate import serial_mark
+from dataparallel.replicate._kinds import ARRAY_BYTES
 
 __all__ = ["main"]
 
@@ -115,6 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = _model()
     model.records = [{"id": i, "label": f"l{i % 7}", "weight": 0.5} for i in range(30_000)]
     row("records_30k", model, _time(dp.DataParallel(model, ["cpu", "cpu"]), bare=plain))
+    model = _model()
+    model.counts = np.zeros(ARRAY_BYTES // 8)  # read by its bytes before and after each call
+    row("count_table_64k", model, _time(dp.DataParallel(model, ["cpu", "cpu"]), bare=plain))
+    model = _model()
+    model.embeddings = np.zeros((50_000, 20))  # past the budget: data, not read
+    row("embedding_table_8m", model, _time(dp.DataParallel(model, ["cpu", "cpu"]), bare=plain))
 
     model = _model()
     history: list[dict[str, Any]] = []
