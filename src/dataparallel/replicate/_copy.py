@@ -38,6 +38,7 @@ from dataparallel.replicate._kinds import (
     contents,
     from_library,
     global_names,
+    place_reader,
     plain_record,
 )
 
@@ -65,8 +66,9 @@ class Pass:
     later may make it lead to the tree (``holder.append(model)``). ``cut`` is set when the
     pass stopped short (past ``MAX_DEPTH`` or ``MAX_VISITS``): what lies beyond was
     not searched. With ``watch``, ``tensors`` lists the tensors met outside a library's state
-    (their data is never walked: ``_holders.Held`` reads their version), and ``arrays`` the
-    numpy arrays, up to :data:`ARRAY_BYTES` of them (read by their bytes). ``local`` is the
+    (their data is never walked: ``_holders.Held`` reads their version), and in ``readable``
+    the numpy arrays, up to :data:`ARRAY_BYTES` of them (read by their bytes), and the
+    iterators that show where they stand (``_kinds.place_reader``). ``local`` is the
     first ``threading.local`` met outside a library's state:
     each thread sees its own attributes there, so a replica on a worker thread would not see
     what the caller's thread set (its replicas then run on the calling thread).
@@ -84,7 +86,6 @@ class Pass:
     """
 
     __slots__ = (
-        "arrays",
         "bound",
         "copied",
         "cut",
@@ -93,6 +94,7 @@ class Pass:
         "mapping",
         "memo",
         "own",
+        "readable",
         "room",
         "tensors",
         "visits",
@@ -111,7 +113,7 @@ class Pass:
         self.cut = False
         self.local: threading.local | None = None
         self.tensors: list[torch.Tensor] = []  # with ``watch``: the tensors met, not walked
-        self.arrays: list[np.ndarray[Any, Any]] = []  # and the numpy arrays, within ``room``
+        self.readable: list[Any] = []  # and arrays (within ``room``) and iterators
         self.room = ARRAY_BYTES
         self.library = 0  # how deep inside a library's object or function the pass is
         self.visits = 0
@@ -146,6 +148,11 @@ class Pass:
             return self._own(value) if isinstance(value, torch.Tensor) else value
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
             return self._array(value)
+        if self.watch and not self.library and place_reader(kind) is not None:
+            if len(self.readable) < TENSORS and id(value) not in self.memo:
+                self.memo[id(value)] = value
+                self.readable.append(value)  # (an iterator: read by where it stands)
+            return value
         if isinstance(value, threading.local):  # (its attributes are per thread: not walked)
             if self.local is None and not self.library:
                 self.local = value
@@ -185,7 +192,7 @@ class Pass:
         ):
             self.memo[id(value)] = value
             self.room -= value.nbytes
-            self.arrays.append(value)
+            self.readable.append(value)
         return value
 
     def _rebuild(self, value: Any, kind: type, deeper: int) -> Any:

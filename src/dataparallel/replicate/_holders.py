@@ -45,6 +45,7 @@ from dataparallel.replicate._kinds import (
     contents,
     function_own,
     global_names,
+    place_reader,
     plain_record,
 )
 
@@ -77,6 +78,7 @@ def _dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
 
 _VERSION = _dict_version_reader()
 _DICT_ITER = dict.__iter__
+_BYTES = operator.methodcaller("tobytes")
 
 
 def _plain_change(obj: Any, held: list[Any], now: list[Any]) -> bool:
@@ -123,13 +125,14 @@ class Held:
         self.held = held
         # Data the replicas share (not a parameter or buffer of the tree: a plain tensor
         # attribute, a cache in a list, a small numpy array): watched by one reading alone, as
-        # of the last read (a tensor's version; an array's bytes, since it has no version).
+        # of the last read (a tensor's version; an array's bytes, since it has no version; where
+        # an iterator stands).
         self.read: Callable[[Any], Any] | None = (
             _tensor_version
             if isinstance(obj, torch.Tensor)
-            else operator.methodcaller("tobytes")
+            else _BYTES
             if isinstance(obj, np.ndarray)
-            else None
+            else place_reader(type(obj))
         )
         # Left shared by the search (it led nowhere): the replicas read this very object. A
         # holder it copied (it leads to the tree) has a copy per replica, which a write to

@@ -11,8 +11,11 @@ import argparse
 import collections
 import dis
 import functools
+import itertools
+import operator
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ __all__ = [
     "from_library",
     "function_own",
     "global_names",
+    "place_reader",
     "plain_record",
     "slot_names",
 ]
@@ -115,6 +119,64 @@ TENSORS = 64
 # every call (a numpy array has no write version): a histogram or a count table is read, a
 # table of embeddings past these is data, not read (``check=`` compares it).
 ARRAY_BYTES = 1 << 16
+
+
+class _Place:
+    """Where a suspended generator stands: its frame's last instruction with where what it
+    delegates to stands (equal by ``==``), and its variables (equal by identity: a tensor's
+    ``==`` is no answer; kept, so that no identity is reused while they are held)."""
+
+    __slots__ = ("at", "values")
+
+    def __init__(self, at: tuple[int, Any], values: list[Any]) -> None:
+        self.at = at
+        self.values = values
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Place)
+            and self.at == other.at
+            and len(self.values) == len(other.values)
+            and all(map(operator.is_, self.values, other.values))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _generator_place(gen: types.GeneratorType[Any, Any, Any]) -> _Place | None:
+    """Its frame's place and variables, and where what it delegates to stands (``yield
+    from``: an iterator, read the same way; one that shows no place, by its identity)."""
+    frame = gen.gi_frame
+    if frame is None:
+        return None
+    values = [*frame.f_locals.values()]
+    inner = gen.gi_yieldfrom
+    read = None if inner is None else place_reader(type(inner))
+    if read is None:
+        return _Place((frame.f_lasti, None), [*values, inner])
+    return _Place((frame.f_lasti, read(inner)), values)
+
+
+def _length_left(iterator: Any) -> int:
+    return operator.length_hint(iterator, -1)
+
+
+def place_reader(kind: type) -> Callable[[Any], Any] | None:
+    """How to read where an iterator of the language stands, so that a forward that advanced
+    it (``next(self.steps)``) is seen: a generator by its frame (its place and variables),
+    ``itertools.count`` by its ``repr`` (its next value), another by the length it has left
+    (``__length_hint__``: a list's, a range's, a dict's or a numpy array's iterator). ``None``
+    for other kinds, and for an iterator that shows no place (``itertools.cycle``, ``map``,
+    ``zip``; an object of the user's own is read by its attributes, as any object is)."""
+    if kind is types.GeneratorType:
+        return _generator_place
+    if getattr(kind, "__module__", None) not in ("builtins", "itertools"):
+        return None
+    if kind is itertools.count:
+        return repr
+    if hasattr(kind, "__next__") and hasattr(kind, "__length_hint__"):
+        return _length_left
+    return None
 
 
 def plain_record(value: Any, kind: type) -> bool:

@@ -92,7 +92,9 @@ def written_message(
     name, module = named[index] if index < len(named) else ("", root)
     where = f"module {name!r}" if name else "the module itself"
     how = f"an object {where} reaches"
-    kind = "numpy array" if type(obj).__module__ == "numpy" else type(obj).__name__
+    kind = type(obj).__name__
+    if type(obj).__module__ in ("numpy", "itertools"):  # ("a numpy array", "a count of itertools")
+        kind = "numpy array" if kind == "ndarray" else f"{kind} of {type(obj).__module__}"
     for cls in type(module).__mro__:
         if any(ref is obj for ref in gc.get_referents(cls.__dict__)[:1]):
             half = len(held or ()) // 2

@@ -174,7 +174,7 @@ class Rebinding:
                 *(Held(obj, held) for obj, held in search.copied),
                 *(Held(obj, held, shared=True) for obj, held in search.walked),
                 *(Held(t, [], shared=True) for t in tensors.values()),
-                *(Held(a, [], shared=True) for a in search.arrays),
+                *(Held(r, [], shared=True) for r in search.readable),
                 *(Held(d, contents(d), shared=True) for d in self.class_dicts(modules[i], i)),
             ]
             arrays[i] = _array_bytes(watched)
@@ -421,6 +421,15 @@ def reaches(value: Any, tree: set[int], limit: int = 5_000) -> bool | None:
         elif isinstance(obj, types.MethodType):
             stack.append(obj.__self__)
             stack.append(obj.__func__)
+        elif isinstance(obj, types.GeneratorType):
+            # As a function: its variables, what it delegates to, and the module-level names
+            # its code reads, not all of its globals (3.10 shows its frame, and so them, to gc)
+            frame = obj.gi_frame
+            if frame is not None:
+                stack.extend(frame.f_locals.values())
+                reads, _ = global_names(obj.gi_code)
+                stack.extend(frame.f_globals[n] for n in reads if n in frame.f_globals)
+            stack.append(obj.gi_yieldfrom)
         elif isinstance(obj, weakref.ReferenceType):  # (a ``WeakValueDictionary``'s too)
             stack.append(obj())
         else:
