@@ -35,7 +35,7 @@ from torch import nn
 
 from dataparallel._common.warn import warn_user
 
-__all__ = ["BufferWrites", "chunk_write", "memory_of"]
+__all__ = ["BufferWrites", "chunk_write", "memory_of", "tensor_names"]
 
 _VERSION_OF = operator.attrgetter("_version")
 _SET_VERSION = torch._C._autograd._unsafe_set_version_counter
@@ -110,7 +110,7 @@ class BufferWrites:
             # (a buffer whose memory parameters view is said by their memory, ``_written``:
             # a write to a view moves the buffer's version, not a later replica's copy's)
             if memory_of(source) not in {memory_of(p) for p in replica.parameters()}:
-                warn_user(chunk_write(_names(replica, source), 0, "buffer"))
+                warn_user(chunk_write(tensor_names(replica, [source], "buffer"), 0, "buffer"))
         for i, k in theirs.items():
             if i in mine:
                 continue  # replica 0 wrote it too: its write stands
@@ -123,7 +123,8 @@ class BufferWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.said:
                 self.said.add(i)
-                warn_user(chunk_write(_names(replica, source), pairs[k - m][1], "buffer"))
+                names = tensor_names(replica, [source], "buffer")
+                warn_user(chunk_write(names, pairs[k - m][1], "buffer"))
 
 
 def memory_of(tensor: torch.Tensor) -> int:
@@ -131,10 +132,15 @@ def memory_of(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
-def _names(replica: nn.Module, tensor: torch.Tensor) -> list[str]:
-    """The buffer names of ``tensor`` in replica 0, quoted."""
-    names = [repr(n) for n, b in replica.named_buffers(remove_duplicate=False) if b is tensor]
-    return names or ["(a buffer copy of this device list)"]
+def tensor_names(replica: Any, tensors: list[torch.Tensor], kind: str = "parameter") -> list[str]:
+    """The names of ``tensors``, parameters (or buffers: ``kind``), in replica 0 (the module
+    itself, or a replica with the same names), quoted."""
+    ids = {id(t) for t in tensors}
+    names: list[str] = []
+    if isinstance(replica, nn.Module):
+        named = replica.named_buffers if kind == "buffer" else replica.named_parameters
+        names = [repr(n) for n, t in named(remove_duplicate=False) if id(t) in ids]
+    return names or [f"(a {kind} copy of this device list)"]
 
 
 def chunk_write(names: list[str], j: int, kind: str = "parameter") -> str:

@@ -43,10 +43,14 @@ from itertools import repeat
 from typing import Any
 
 import torch
-from torch import nn
 
 from dataparallel._common.warn import warn_user
-from dataparallel.replicate._buffer_writes import BufferWrites, chunk_write, memory_of
+from dataparallel.replicate._buffer_writes import (
+    BufferWrites,
+    chunk_write,
+    memory_of,
+    tensor_names,
+)
 
 __all__ = ["WRITES", "ForwardWrites", "check_writes", "resync"]
 
@@ -303,7 +307,7 @@ class ForwardWrites:
         for views in mine.values():
             if others.isdisjoint(views):  # (replica 0's own write, in no other replica)
                 self.landed.update(views)
-                warn_user(chunk_write(_names(replica, [*views.values()]), 0))
+                warn_user(chunk_write(tensor_names(replica, [*views.values()]), 0))
         for k, (i, j) in enumerate(pairs):
             # (replica j's own tensor written; replica 0's not, by it or an earlier replica)
             if i in done or not written[n + k] or written[k]:
@@ -318,7 +322,7 @@ class ForwardWrites:
             _SET_VERSION((source,), (version,))
             if i not in self.landed:
                 self.landed.add(i)
-                warn_user(chunk_write(_names(replica, [source]), j))
+                warn_user(chunk_write(tensor_names(replica, [source]), j))
 
     def refuse(self, replica: Any, now: list[int | None]) -> None:
         """Refuse the call if forward wrote a trainable parameter its replicas share: ``now``,
@@ -329,7 +333,7 @@ class ForwardWrites:
             t for i, t in enumerate(guard) if now[i] != before[i] or now[n + i] != before[n + i]
         ]
         self.before = now
-        names = _names(replica, written)
+        names = tensor_names(replica, written)
         raise RuntimeError(
             f"module: forward wrote the trainable parameter{'s' if len(names) > 1 else ''} "
             f"{', '.join(names)} (in place under torch.no_grad(), or by a .data assignment), "
@@ -396,18 +400,6 @@ def _mark(tensor: torch.Tensor) -> tuple[int, int | None]:
         return version, _PTR(tensor)
     except RuntimeError:
         return version, None
-
-
-def _names(replica: Any, tensors: list[torch.Tensor]) -> list[str]:
-    """The parameter names of ``tensors`` in replica 0 (the module itself, or a replica with
-    the same names), quoted."""
-    ids = {id(t) for t in tensors}
-    names: list[str] = []
-    if isinstance(replica, nn.Module):
-        names = [
-            repr(n) for n, p in replica.named_parameters(remove_duplicate=False) if id(p) in ids
-        ]
-    return names or ["(a parameter copy of this device list)"]
 
 
 def _shared_slots(per_device: list[list[torch.Tensor]]) -> list[int]:
