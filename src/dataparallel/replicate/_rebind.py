@@ -149,11 +149,11 @@ class Rebinding:
         bindable = dict.fromkeys(own, _PROBE)  # (bound as modules are: ``bind_tensors``)
         # The numpy arrays read on every call are within one budget for the whole tree.
         again = set(indices)
-        arrays = {i: _array_bytes(w) for i, w in self.watched.items() if i not in again}
+        used = sum([_array_bytes(w) for i, w in self.watched.items() if i not in again])
         for i in indices:
             d = modules[i].__dict__
             search = Pass(probe, watch=True, own=bindable)
-            search.room = max(0, search.room - sum(arrays.values()))
+            search.room = max(0, search.room - used)
             keys, cut = bound_keys(d, search, type(modules[i]))
             if keys:
                 self.keys[i] = keys
@@ -177,7 +177,7 @@ class Rebinding:
                 *(Held(r, [], shared=True) for r in search.readable),
                 *(Held(d, contents(d), shared=True) for d in self.class_dicts(modules[i], i)),
             ]
-            arrays[i] = _array_bytes(watched)
+            used += _array_bytes(watched)
             if watched:
                 self.watched[i] = watched
             else:
